@@ -1,0 +1,174 @@
+"""One typed configuration: defaults here, then the YAML file (--config), then command-line flags.
+
+Every field's metadata is its documentation (shown by --help) and its validation (choices, min).
+A script that needs more fields subclasses TrainConfig; a YAML key no field names is an error.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import yaml
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "config", "classifier_cifar10.yaml")
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line, exit code 2, nothing written to results."""
+
+
+def opt(default, help, choices=None, min=None, flag=None):
+    return field(default=default, metadata={"help": help, "choices": choices, "min": min, "flag": flag})
+
+
+@dataclass
+class TrainConfig:
+    # --- data ---
+    dataset: str = opt("cifar10", "training data; synthetic has CIFAR10's shapes and needs no download",
+                       choices=("cifar10", "synthetic"))
+    data_dir: str = opt("data", "CIFAR10 folder (holds cifar-10-batches-py/); downloaded there when missing")
+    image_size: int = opt(224, "side of the square training image, pixels (CIFAR10 is 32, resized)", min=8)
+    train_samples: int = opt(0, "use the first N training samples (synthetic: dataset size); 0 = all 50,000", min=0)
+    test_samples: int = opt(0, "use the first N test samples (synthetic: dataset size); 0 = all 10,000", min=0)
+    workers: int = opt(4, "DataLoader worker processes per rank", min=0)
+    loader: str = opt("torch", "input pipeline: torch = DataLoader with CPU transforms; "
+                      "gpu = whole uint8 dataset on the device, augmentation on the device",
+                      choices=("torch", "gpu"))
+    # --- model ---
+    model: str = opt("resnet50", "any torchvision classification model name")
+    pretrained: bool = opt(True, "start from ImageNet weights (head replaced for 10 classes)")
+    channels_last: bool = opt(False, "NHWC memory format for model and inputs (faster convs on tensor cores)")
+    grad_checkpointing: bool = opt(False, "recompute each ResNet stage in backward: less activation memory, "
+                                   "about one more forward of compute")
+    compile: bool = opt(False, "torch.compile the model (compile time reported apart from train time)")
+    # --- optimization ---
+    epochs: int = opt(5, "passes over the training set", min=1)
+    batch_size: int = opt(128, "GLOBAL batch per optimizer step, images (split over ranks and --grad-accum)", min=1)
+    grad_accum: int = opt(1, "micro-batches accumulated per optimizer step", min=1)
+    lr: float = opt(0.01, "peak learning rate", min=0.0)
+    momentum: float = opt(0.9, "SGD momentum (AdamW: beta1)", min=0.0)
+    weight_decay: float = opt(5e-4, "weight decay (decoupled for AdamW)", min=0.0)
+    optimizer: str = opt("sgd", "optimizer", choices=("sgd", "adamw"))
+    scheduler: str = opt("cosine", "learning-rate schedule after warm-up", choices=("cosine", "none"))
+    warmup_steps: int = opt(100, "linear learning-rate warm-up, optimizer steps", min=0)
+    clip_grad_norm: float = opt(0.0, "clip the gradient norm to this value; 0 = off", min=0.0)
+    max_steps: int = opt(0, "cap on optimizer steps per epoch; 0 = the whole epoch", min=0)
+    seed: int = opt(0, "seed for weights, data order, augmentation and synthetic data", min=0)
+    # --- precision and device ---
+    precision: str = opt("fp32", "numeric precision (the choices depend on the script)")
+    tf32: bool = opt(False, "allow TF32 tensor cores for fp32 matmul/conv (Ampere and newer)")
+    device: str = opt("auto", "auto = cuda when available", choices=("auto", "cuda", "cpu"))
+    backend: str = opt("auto", "torch.distributed backend; auto = nccl on cuda, gloo on cpu",
+                       choices=("auto", "nccl", "gloo"))
+    # --- measurement and output ---
+    timing_warmup_steps: int = opt(10, "first optimizer steps left out of the throughput window", min=0)
+    log_every: int = opt(50, "print progress every N optimizer steps (one host sync each); 0 = never", min=0)
+    max_nonfinite_steps: int = opt(5, "stop as 'diverged' after this many consecutive non-finite losses", min=1)
+    run_name: str = opt("", "label stored in the CSV row's run_name (benchmark.py sets it)")
+    results: str = opt("results/summary.csv", "CSV that gets one row per run")
+    save_dir: str = opt("checkpoints", "final weights go to <save_dir>/<script>/model_final.pt")
+    config: str = opt(DEFAULT_CONFIG, "YAML file with defaults for any of these fields")
+
+    def choices_for(self, name: str):
+        return next(f.metadata.get("choices") for f in dataclasses.fields(self) if f.name == name)
+
+
+def _type_name(tp) -> str:
+    return {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}[tp]
+
+
+def _check_type(key: str, value: Any, tp: str) -> Any:
+    if tp == "bool" and isinstance(value, bool):
+        return value
+    if tp == "int" and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp == "str" and isinstance(value, str):
+        return value
+    raise UsageError(f"config key '{key}' must be {_type_name(tp)}, got {value!r}")
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _tp(f: dataclasses.Field) -> str:
+    return f.type if isinstance(f.type, str) else f.type.__name__
+
+
+def load_yaml(path: str, cls=TrainConfig) -> dict[str, Any]:
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise UsageError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path} must be a mapping of keys to values")
+    fields = _fields(cls)
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in fields or name == "config":
+            raise UsageError(f"unknown config key '{key}' in {path}; allowed: {', '.join(sorted(fields))}")
+        out[name] = _check_type(name, value, _tp(fields[name]))
+    return out
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        choices, low = f.metadata.get("choices"), f.metadata.get("min")
+        if choices and value not in choices:
+            raise UsageError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
+        if low is not None and value < low:
+            raise UsageError(f"{f.name} must be >= {low}; got {value!r}")
+    return cfg
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser(cls, description: str, precisions: Sequence[str]) -> argparse.ArgumentParser:
+    parser = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                     argument_default=argparse.SUPPRESS)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        choices = f.metadata.get("choices")
+        if f.name == "precision":
+            choices = tuple(precisions)
+        help_ = f.metadata["help"] + (f" (default {f.default})" if f.default not in ("", None) else "")
+        if _tp(f) == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
+        else:
+            parser.add_argument(flag, type={"int": int, "float": float, "str": str}[_tp(f)],
+                                choices=choices, metavar=None if choices else f.name.upper(), help=help_)
+    return parser
+
+
+def parse_config(cls=TrainConfig, description: str = "", precisions: Sequence[str] = ("fp32",),
+                 argv: Sequence[str] | None = None, **script_defaults) -> TrainConfig:
+    """Defaults < script_defaults < YAML < CLI. Raises UsageError on any bad value."""
+    parser = build_parser(cls, description, precisions)
+    args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    values = dict(script_defaults)
+    values.setdefault("precision", precisions[0])
+    config_path = args.pop("config", DEFAULT_CONFIG)
+    if config_path:
+        values.update(load_yaml(config_path, cls))
+    values.update(args)
+    cfg = validate(cls(config=config_path, **values))
+    if cfg.precision not in precisions:
+        raise UsageError(f"precision must be one of {', '.join(precisions)} for this script; got {cfg.precision!r}")
+    return cfg

@@ -1,0 +1,113 @@
+"""What happens around every script's main(): parse the config, run, write the CSV row, tear down.
+
+Exit codes: 0 ok; 2 bad input (one line on stderr, no row, results untouched); 3 diverged and
+4 out of memory (a row with that status); 1 any other failure (a row with status failed).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import socket
+import subprocess
+import sys
+import traceback
+import warnings
+
+import torch
+
+from .config import TrainConfig, UsageError, parse_config
+from .distributed import cleanup, global_rank, pick_device, world_size
+from .results import append_row, check_results_path
+from .train import Diverged, Metrics
+
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=PROJECT_ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PROJECT_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head + ("+dirty" if head and dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() + f" x{os.cpu_count()}"
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def base_row(cfg: TrainConfig, script: str, strategy: str) -> dict:
+    try:
+        device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
+    except UsageError:
+        device = torch.device("cpu")
+    return {
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "script": script, "strategy": strategy, "precision": cfg.precision, "world_size": world_size(),
+        "device": device.type, "device_name": device_name(device), "num_devices": world_size(),
+        "model": cfg.model, "dataset": cfg.dataset, "image_size": cfg.image_size,
+        "global_batch_size": cfg.batch_size, "epochs": cfg.epochs, "status": "ok",
+        "torch_version": torch.__version__, "git_commit": git_commit(), "run_name": cfg.run_name,
+        "tf32": cfg.tf32, "channels_last": cfg.channels_last, "grad_checkpointing": cfg.grad_checkpointing,
+        "compile": cfg.compile, "loader": cfg.loader, "grad_accum": cfg.grad_accum, "optimizer": cfg.optimizer,
+        "lr": cfg.lr, "seed": cfg.seed, "pretrained": cfg.pretrained, "resumed": False,
+    }
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
+
+
+def launch(main, script_file: str, strategy: str, precisions=("fp32",), cfg_cls=TrainConfig, **defaults) -> None:
+    """Runs main(cfg) -> Metrics | (Metrics, dict of row overrides) and records the run."""
+    script = os.path.basename(script_file)
+    doc = sys.modules["__main__"].__doc__ or ""
+    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+    code, cfg, row_extra = 0, None, {}
+    try:
+        cfg = parse_config(cfg_cls, doc, precisions, **defaults)
+        if global_rank() == 0:
+            check_results_path(cfg.results)
+        out = main(cfg)
+        metrics, overrides = out if isinstance(out, tuple) else (out, {})
+        row_extra = {**metrics.row(), **overrides}
+    except UsageError as exc:
+        print(f"{script}: error: {exc}", file=sys.stderr)
+        cleanup()
+        sys.exit(2)
+    except Diverged as exc:
+        code, row_extra = 3, {"status": "diverged", "error": str(exc)}
+        print(f"{script}: diverged: {exc}", file=sys.stderr)
+    except torch.OutOfMemoryError as exc:
+        code, row_extra = 4, {"status": "oom", "error": _one_line(exc)}
+        print(f"{script}: out of memory at global batch {cfg.batch_size}: lower --batch-size, or try "
+              f"--grad-accum, --grad-checkpointing or a sharded strategy", file=sys.stderr)
+    except KeyboardInterrupt:
+        cleanup()
+        raise
+    except Exception as exc:  # a bug or an environment failure: keep the traceback, still record the run
+        traceback.print_exc()
+        code, row_extra = 1, {"status": "failed", "error": _one_line(exc)}
+    try:
+        if global_rank() == 0 and cfg is not None:
+            append_row(cfg.results, {**base_row(cfg, script, strategy), **row_extra})
+    except UsageError as exc:
+        print(f"{script}: error: {exc}", file=sys.stderr)
+        code = code or 2
+    finally:
+        cleanup()
+    if code:
+        sys.exit(code)

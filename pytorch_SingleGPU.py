@@ -1,0 +1,49 @@
+"""Single device, fp32: the baseline every other strategy is compared with.
+
+    python pytorch_SingleGPU.py                  # the articles' run: pretrained ResNet50, CIFAR10 at 224
+    python pytorch_SingleGPU.py --tf32           # fp32 storage, TF32 tensor-core math (Ampere and newer)
+    python pytorch_SingleGPU.py --device cpu --dataset synthetic --no-pretrained --model resnet18 --image-size 32
+
+Shows the cost of plain fp32 training: time, throughput, peak memory, GPU utilization, accuracy.
+Appends one row to results/summary.csv; final weights in checkpoints/pytorch_SingleGPU/model_final.pt.
+"""
+from contextlib import nullcontext
+
+import torch
+
+from common import (build_loaders, build_model, build_optimizer, build_scheduler, configure_backends, fit,
+                    init_distributed, launch, require_single_process, save_final, steps_per_epoch)
+
+
+def main(cfg):
+    require_single_process(__file__)
+    info = init_distributed(cfg)
+    rank, world_size, device = info.rank, info.world_size, info.device
+    configure_backends(cfg, device)
+    train_loader, test_loader = build_loaders(cfg, rank, world_size, device)
+
+    model = build_model(cfg).to(device)
+    optimizer = build_optimizer(cfg, model.parameters())
+    scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
+    scaler = torch.amp.GradScaler(device.type, enabled=False)  # fp32 gradients do not underflow
+    ctx = nullcontext()
+
+    def backward(loss):
+        scaler.scale(loss).backward()
+
+    def step():
+        if cfg.clip_grad_norm:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+
+    metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device)
+    save_final(model.state_dict(), cfg, __file__)
+    return metrics
+
+
+if __name__ == "__main__":
+    launch(main, __file__, strategy="single", precisions=("fp32",))
