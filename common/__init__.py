@@ -4,12 +4,13 @@ from .data import build_loaders, per_rank_batch
 from .distributed import DistInfo, cleanup, init_distributed, pick_device, require_single_process
 from .models import build_model
 from .runner import launch
+from .distributed import global_rank
 from .train import (Metrics, build_optimizer, build_scheduler, check_dtype_support, configure_backends,
-                    evaluate, fit, save_final, steps_per_epoch)
+                    evaluate, fit, optimizer_spec, save_final, steps_per_epoch)
 
 __all__ = [
-    "TrainConfig", "UsageError", "opt", "parse_config", "build_loaders", "per_rank_batch", "DistInfo", "cleanup",
+    "global_rank", "TrainConfig", "UsageError", "opt", "parse_config", "build_loaders", "per_rank_batch", "DistInfo", "cleanup",
     "init_distributed", "pick_device", "require_single_process", "build_model", "launch", "Metrics",
-    "build_optimizer", "build_scheduler", "check_dtype_support", "configure_backends", "evaluate", "fit",
+    "build_optimizer", "build_scheduler", "check_dtype_support", "configure_backends", "evaluate", "fit", "optimizer_spec",
     "save_final", "steps_per_epoch",
 ]

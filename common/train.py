@@ -68,10 +68,16 @@ def check_dtype_support(precision: str, device: torch.device) -> None:
               f"fp16 saves memory here but not time", file=sys.stderr)
 
 
-def build_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
+def optimizer_spec(cfg: TrainConfig) -> tuple[type, dict]:
+    """(class, keyword arguments): ZeroRedundancyOptimizer wants them apart."""
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW, dict(lr=cfg.lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
+    return torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def build_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
+    cls, kwargs = optimizer_spec(cfg)
+    return cls(params, **kwargs)
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:

@@ -1,0 +1,69 @@
+"""DistributedDataParallel: one process per GPU, gradients all-reduced during backward.
+
+    torchrun --nproc_per_node 4 pytorch_DDP.py                              # one node, 4 GPUs
+    torchrun --nnodes 2 --node_rank 0 --nproc_per_node 4 \\
+        --rdzv_backend c10d --rdzv_endpoint HOST0:29500 pytorch_DDP.py      # the same on each node
+    torchrun --nproc_per_node 2 pytorch_DDP.py --device cpu --dataset synthetic --no-pretrained   # CPU, gloo
+    torchrun --nproc_per_node 4 pytorch_DDP.py --precision bf16 --sync-bn --grad-accum 2
+
+Shows what data parallelism buys over pytorch_SingleGPU.py: --batch-size stays the GLOBAL batch, so
+each of W ranks sees batch/W images per step and the optimization is the same as on one GPU.
+Without a launcher it runs as a world of one (the DDP overhead measurement).
+"""
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common import (TrainConfig, UsageError, build_loaders, build_model, build_optimizer, build_scheduler,
+                    check_dtype_support, configure_backends, fit, init_distributed, launch, opt, save_final,
+                    steps_per_epoch)
+
+
+@dataclass
+class DDPConfig(TrainConfig):
+    sync_bn: bool = opt(False, "SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only)")
+
+
+def main(cfg):
+    info = init_distributed(cfg)
+    rank, world_size, device = info.rank, info.world_size, info.device
+    configure_backends(cfg, device)
+    check_dtype_support(cfg.precision, device)
+    dtype = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.precision]
+    train_loader, test_loader = build_loaders(cfg, rank, world_size, device)
+
+    model = build_model(cfg).to(device)
+    if cfg.sync_bn:
+        if device.type != "cuda":
+            raise UsageError("--sync-bn needs CUDA devices (SyncBatchNorm has no CPU kernel)")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = build_optimizer(cfg, model.parameters())
+    scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    ctx = nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+    def backward(loss):
+        scaler.scale(loss).backward()
+
+    def step():
+        if cfg.clip_grad_norm:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+
+    # no_sync: accumulate micro-batches locally, all-reduce only on the last one
+    metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
+                  no_sync=model.no_sync)
+    save_final(model.module.state_dict(), cfg, __file__)
+    return metrics, {"precision": cfg.precision if dtype is None else f"amp_{cfg.precision}"}
+
+
+if __name__ == "__main__":
+    launch(main, __file__, strategy="ddp", precisions=("fp32", "fp16", "bf16"), cfg_cls=DDPConfig)
