@@ -144,15 +144,17 @@ def build_parser(cls, description: str, precisions: Sequence[str]) -> argparse.A
     parser = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                      argument_default=argparse.SUPPRESS)
     for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-")]
+        if "_" in f.name:  # DeepSpeed's launcher passes --local_rank, its docs say --deepspeed_config
+            flags.append("--" + f.name)
         choices = f.metadata.get("choices")
         if f.name == "precision":
             choices = tuple(precisions)
         help_ = f.metadata["help"] + (f" (default {f.default})" if f.default not in ("", None) else "")
         if _tp(f) == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
         else:
-            parser.add_argument(flag, type={"int": int, "float": float, "str": str}[_tp(f)],
+            parser.add_argument(*flags, dest=f.name, type={"int": int, "float": float, "str": str}[_tp(f)],
                                 choices=choices, metavar=None if choices else f.name.upper(), help=help_)
     return parser
 

@@ -1,0 +1,74 @@
+"""Reads a DeepSpeed JSON and fills its "auto" values from the run's flags, so the JSON and
+--batch-size/--precision can never silently disagree. The optimizer and the schedule come from the
+script's flags (client objects, the same as every other script): a JSON that names its own is
+refused, since DeepSpeed would otherwise run one and the script believe in the other."""
+from __future__ import annotations
+
+import json
+import os
+
+from .config import TrainConfig, UsageError
+
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def resolve_path(path: str) -> str:
+    """As given (absolute or relative to the working directory), else relative to the project."""
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    return os.path.join(PROJECT_ROOT, path)
+
+
+def _fill(ds: dict, key: str, value, path: str):
+    current = ds.get(key, "auto")
+    if current == "auto":
+        ds[key] = value
+    elif current != value:
+        raise UsageError(f"{path}: {key} is {current} but the flags give {value}; set it to \"auto\" or "
+                         f"change the flags")
+
+
+def resolve_ds_config(cfg: TrainConfig, path: str, world_size: int, micro_batch: int,
+                      offload: bool = False) -> tuple[dict, str]:
+    """Returns (config dict for deepspeed.initialize, precision actually used: fp32/fp16/bf16)."""
+    full = resolve_path(path)
+    try:
+        with open(full) as fh:
+            ds = json.load(fh)
+    except FileNotFoundError:
+        raise UsageError(f"DeepSpeed config not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"DeepSpeed config {path} is not valid JSON ({exc})") from None
+    if not isinstance(ds, dict):
+        raise UsageError(f"DeepSpeed config {path} must be a JSON object")
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            raise UsageError(f"{path} defines a {key}; this project takes the optimizer and schedule from "
+                             f"--optimizer/--lr/--scheduler (one source of truth): remove the \"{key}\" section")
+    _fill(ds, "train_batch_size", cfg.batch_size, path)
+    _fill(ds, "train_micro_batch_size_per_gpu", micro_batch, path)
+    _fill(ds, "gradient_accumulation_steps", cfg.grad_accum, path)
+    if ds["train_batch_size"] != ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world_size:
+        raise UsageError(f"{path}: train_batch_size must equal micro batch x accumulation x world size ({world_size})")
+    if ds.get("gradient_clipping", "auto") == "auto":
+        ds["gradient_clipping"] = cfg.clip_grad_norm
+    enabled = {}
+    for name in ("fp16", "bf16"):
+        section = ds.setdefault(name, {})
+        flag = section.get("enabled", "auto")
+        if flag == "auto":
+            section["enabled"] = cfg.precision == name
+        elif flag is True and cfg.precision not in (name, "fp32"):
+            raise UsageError(f"{path} enables {name} but --precision is {cfg.precision}")
+        enabled[name] = section["enabled"] is True
+    if enabled["fp16"] and enabled["bf16"]:
+        raise UsageError(f"{path} enables both fp16 and bf16")
+    precision = "fp16" if enabled["fp16"] else "bf16" if enabled["bf16"] else "fp32"
+    zero = ds.setdefault("zero_optimization", {"stage": 0})
+    if offload:
+        if zero.get("stage", 0) < 2:
+            raise UsageError("--offload needs ZeRO stage 2 or 3 (config/zero_stage2_config.json or stage3)")
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if zero["stage"] == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return ds, precision

@@ -1,0 +1,80 @@
+"""DeepSpeed ZeRO (stage 1, 2 or 3 from the JSON), with the project's own optimizer and schedule.
+
+    deepspeed --num_gpus 4 pytorch_DeepSpeed.py --deepspeed_config config/zero_stage2_config.json
+    deepspeed --hostfile hostfile --num_nodes 2 --num_gpus 4 pytorch_DeepSpeed.py   # several nodes
+    torchrun --nproc_per_node 4 pytorch_DeepSpeed.py --deepspeed_config config/zero_stage3_config.json
+    deepspeed --num_gpus 2 pytorch_DeepSpeed.py --device cpu --dataset synthetic --no-pretrained  # CPU, gloo
+
+Shows ZeRO's memory savings (1: optimizer state sharded, 2: + gradients, 3: + parameters) and their
+communication cost on the articles' setup, which the articles never got running. The JSON's "auto"
+values are filled from --batch-size, --grad-accum, --clip-grad-norm and --precision; explicit values
+must agree. The optimizer is a plain torch one (no fused-Adam build), the schedule the same as every
+other script's. Saves a DeepSpeed checkpoint and the consolidated fp32 model_final.pt.
+"""
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede the deepspeed import
+import deepspeed  # noqa: E402
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: E402
+
+from common import (TrainConfig, UsageError, barrier, build_loaders, build_model, build_optimizer,  # noqa: E402
+                    build_scheduler, check_dtype_support, configure_backends, fit, global_rank, init_distributed,
+                    launch, opt, per_rank_batch, save_final, steps_per_epoch)
+from common.deepspeed_config import resolve_ds_config  # noqa: E402
+
+
+@dataclass
+class DeepSpeedConfig(TrainConfig):
+    deepspeed_config: str = opt("config/zero_stage2_config.json", "DeepSpeed JSON (relative to the working "
+                                "directory or the project): ZeRO stage, precision, batch keys")
+    offload: bool = opt(False, "ZeRO-Offload: optimizer state (stage 2/3) and parameters (stage 3) in host memory")
+    local_rank: int = opt(-1, "passed by the deepspeed launcher; LOCAL_RANK from the environment is used")
+
+
+def main(cfg):
+    info = init_distributed(cfg)
+    rank, world_size, device = info.rank, info.world_size, info.device
+    configure_backends(cfg, device)
+    if cfg.grad_accum != 1:
+        raise UsageError("--grad-accum: DeepSpeed accumulates inside engine.step(); this script runs 1")
+    if cfg.offload and device.type != "cuda":
+        raise UsageError("--offload moves ZeRO state from GPU to host memory: it needs CUDA devices")
+    ds_config, precision = resolve_ds_config(cfg, cfg.deepspeed_config, world_size, per_rank_batch(cfg, world_size),
+                                             cfg.offload)
+    check_dtype_support(precision, device)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    train_loader, test_loader = build_loaders(cfg, rank, world_size, device)
+
+    model = build_model(cfg).to(device)
+    optimizer = build_optimizer(cfg, model.parameters())
+    scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
+    # the engine owns loss scaling (fp16), clipping, the optimizer step, zero_grad and scheduler.step
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                           config=ds_config)
+    ctx = nullcontext()  # DeepSpeed casts the model itself for fp16/bf16; inputs follow (input_dtype)
+
+    def backward(loss):
+        engine.backward(loss)
+
+    def step():
+        engine.step()
+
+    metrics = fit(cfg, engine, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
+                  input_dtype=dtype)
+    ckpt_dir = os.path.join(cfg.save_dir, "pytorch_DeepSpeed", "ds_checkpoint")
+    engine.save_checkpoint(ckpt_dir, tag="final")  # every rank writes its shard
+    barrier()
+    if global_rank() == 0:
+        save_final(get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag="final"), cfg, __file__)
+    stage = ds_config["zero_optimization"].get("stage", 0)
+    return metrics, {"precision": precision if precision == "fp32" else f"ds_{precision}",
+                     "strategy": f"deepspeed_zero{stage}" + ("_offload" if cfg.offload else "")}
+
+
+if __name__ == "__main__":
+    launch(main, __file__, strategy="deepspeed", precisions=("fp32", "fp16", "bf16"), cfg_cls=DeepSpeedConfig)
