@@ -36,12 +36,15 @@ class TrainConfig:
     train_samples: int = opt(0, "use the first N training samples (synthetic: dataset size); 0 = all 50,000", min=0)
     test_samples: int = opt(0, "use the first N test samples (synthetic: dataset size); 0 = all 10,000", min=0)
     workers: int = opt(4, "DataLoader worker processes per rank", min=0)
+    augment: bool = opt(True, "random crop (padding size/8) and horizontal flip on training images")
     loader: str = opt("torch", "input pipeline: torch = DataLoader with CPU transforms; "
                       "gpu = whole uint8 dataset on the device, augmentation on the device",
                       choices=("torch", "gpu"))
     # --- model ---
     model: str = opt("resnet50", "any torchvision classification model name")
     pretrained: bool = opt(True, "start from ImageNet weights (head replaced for 10 classes)")
+    freeze_bn: bool = opt(False, "BatchNorm in eval mode while training (running statistics frozen): "
+                          "the loss no longer depends on how the batch is split over ranks")
     channels_last: bool = opt(False, "NHWC memory format for model and inputs (faster convs on tensor cores)")
     grad_checkpointing: bool = opt(False, "recompute each ResNet stage in backward: less activation memory, "
                                    "about one more forward of compute")

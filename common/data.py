@@ -103,6 +103,7 @@ def load_arrays(cfg: TrainConfig, train: bool) -> tuple[np.ndarray, np.ndarray]:
 
 
 def transforms(image_size: int, train: bool) -> v2.Compose:
+    """train=True adds the random crop and flip."""
     steps = [v2.ToImage()]
     if image_size != 32:
         steps.append(v2.Resize((image_size, image_size), antialias=True))
@@ -156,11 +157,12 @@ class GpuLoader:
     """Device-resident batches; same sharding, shuffling per epoch and drop_last as DistributedSampler."""
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, batch: int, rank: int, world_size: int,
-                 seed: int, train: bool, image_size: int, device: torch.device):
+                 seed: int, train: bool, image_size: int, device: torch.device, augment: bool = True):
         self.images = torch.from_numpy(images).to(device)  # uint8 NHWC: 150 MB for CIFAR10's train set
         self.labels = torch.from_numpy(labels).to(device)
         self.batch, self.rank, self.world_size = batch, rank, world_size
         self.seed, self.train, self.size, self.device = seed, train, image_size, device
+        self.augment = augment and train
         self.epoch = 0
         self.mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
@@ -183,7 +185,7 @@ class GpuLoader:
         x = x.permute(0, 3, 1, 2).float().div_(255)
         if self.size != x.shape[-1]:
             x = F.interpolate(x, size=(self.size, self.size), mode="bilinear", antialias=True, align_corners=False)
-        if self.train:
+        if self.augment:
             b, pad, s = x.shape[0], self.size // 8, self.size
             x = F.pad(x, (pad, pad, pad, pad))
             off = torch.randint(0, 2 * pad + 1, (2, b), generator=gen).to(self.device, non_blocking=True)
@@ -219,9 +221,9 @@ def build_loaders(cfg: TrainConfig, rank: int, world_size: int, device: torch.de
                          f"({cfg.batch_size}); raise --train-samples or lower --batch-size")
     eval_batch = max(1, cfg.batch_size // world_size)
     if cfg.loader == "gpu":
-        return (GpuLoader(*train_arrays, batch, rank, world_size, cfg.seed, True, cfg.image_size, device),
+        return (GpuLoader(*train_arrays, batch, rank, world_size, cfg.seed, True, cfg.image_size, device, cfg.augment),
                 GpuLoader(*test_arrays, eval_batch, rank, world_size, cfg.seed, False, cfg.image_size, device))
-    train_ds = ArrayDataset(*train_arrays, transforms(cfg.image_size, True))
+    train_ds = ArrayDataset(*train_arrays, transforms(cfg.image_size, cfg.augment))
     test_ds = EvalShard(ArrayDataset(*test_arrays, transforms(cfg.image_size, False)), rank, world_size)
     sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)

@@ -158,6 +158,10 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, *, backwa
     for epoch in range(cfg.epochs):
         set_epoch(train_loader, epoch)
         model.train()
+        if cfg.freeze_bn:
+            for module in model.modules():
+                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    module.eval()
         _sync(device)
         epoch_start = time.perf_counter()
         if window_start is None and m.steps >= cfg.timing_warmup_steps:

@@ -1,0 +1,72 @@
+import pytest
+
+from common.config import TrainConfig, UsageError, parse_config
+from conftest import one_line_error, rows, run, tiny_args
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_yaml_then_cli_override(tmp_path):
+    path = write(tmp_path, "epochs: 3\nlr: 0.5\nmodel: resnet18\n")
+    cfg = parse_config(TrainConfig, argv=["--config", path, "--lr", "0.1"])
+    assert (cfg.epochs, cfg.lr, cfg.model) == (3, 0.1, "resnet18")
+    assert cfg.batch_size == 128 and cfg.precision == "fp32"
+
+
+def test_defaults_are_the_articles_setup():
+    cfg = parse_config(TrainConfig, argv=[])
+    assert (cfg.model, cfg.pretrained, cfg.image_size, cfg.epochs, cfg.batch_size) == ("resnet50", True, 224, 5, 128)
+    assert (cfg.dataset, cfg.optimizer, cfg.scheduler) == ("cifar10", "sgd", "cosine")
+
+
+@pytest.mark.parametrize("text, words", [
+    ("epochz: 3\n", ["unknown config key 'epochz'", "allowed:"]),
+    ("epochs: three\n", ["'epochs' must be an integer"]),
+    ("pretrained: 1\n", ["'pretrained' must be true or false"]),
+    ("epochs: 0\n", ["epochs must be >= 1"]),
+    ("batch_size: -4\n", ["batch_size must be >= 1"]),
+    ("optimizer: lamb\n", ["optimizer must be one of sgd, adamw"]),
+    ("[1, 2]\n", ["must be a mapping"]),
+    ("epochs: [\n", ["not valid YAML"]),
+])
+def test_bad_yaml(tmp_path, text, words):
+    with pytest.raises(UsageError) as exc:
+        parse_config(TrainConfig, argv=["--config", write(tmp_path, text)])
+    for w in words:
+        assert w in str(exc.value)
+
+
+def test_precision_restricted_per_script():
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, precisions=("fp32",), argv=["--precision", "fp16"])
+    assert parse_config(TrainConfig, precisions=("fp16", "bf16"), argv=[]).precision == "fp16"
+
+
+def test_underscore_alias_for_launchers():
+    cfg = parse_config(TrainConfig, argv=["--batch_size", "64", "--warmup-steps", "3"])
+    assert (cfg.batch_size, cfg.warmup_steps) == (64, 3)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--bogus-flag"], "unrecognized arguments"),
+    (["--epochs", "0"], "epochs must be >= 1"),
+    (["--optimizer", "lamb"], "invalid choice"),
+    (["--model", "resnet5000"], "unknown model 'resnet5000'"),
+    (["--batch-size", "10", "--train-samples", "8"], "fewer than one global batch"),
+    (["--grad-checkpointing", "--model", "mobilenet_v3_small"], "supports ResNet-family"),
+])
+def test_bad_flags_one_line_and_results_untouched(tmp_path, extra, words):
+    results = tmp_path / "summary.csv"
+    proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path) + extra)
+    assert words in one_line_error(proc)
+    assert not results.exists()
+
+
+def test_bad_config_file_via_script(tmp_path):
+    proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path) + ["--config", write(tmp_path, "learning_rate: 1\n")])
+    assert "unknown config key 'learning_rate'" in one_line_error(proc)
+    assert rows(tmp_path / "summary.csv") == []

@@ -1,0 +1,140 @@
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from common import data
+from common.config import TrainConfig, UsageError
+
+
+def fake_cifar(root, n_train=20, n_test=7, seed=0):
+    """Writes the python-pickle layout of CIFAR10 (5 train batches + test batch) with random pixels."""
+    rng = np.random.default_rng(seed)
+    folder = os.path.join(root, data.CIFAR_FOLDER)
+    os.makedirs(folder)
+    for name in data.CIFAR_FILES[True] + data.CIFAR_FILES[False]:
+        n = n_test if name == "test_batch" else n_train
+        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                 b"labels": rng.integers(0, 10, n).tolist(), b"batch_label": name.encode()}
+        with open(os.path.join(folder, name), "wb") as fh:
+            pickle.dump(batch, fh)
+    return folder
+
+
+def test_cifar_reader_layout(tmp_path):
+    folder = fake_cifar(tmp_path)
+    x, y = data.load_cifar10(str(tmp_path), train=True)
+    assert x.shape == (100, 32, 32, 3) and x.dtype == np.uint8 and y.shape == (100,)
+    with open(os.path.join(folder, "data_batch_1"), "rb") as fh:
+        raw = pickle.load(fh, encoding="bytes")[b"data"][0]
+    # channel-major rows in the file -> HWC image: red plane first
+    assert np.array_equal(x[0, :, :, 0].ravel(), raw[:1024]) and np.array_equal(x[0, :, :, 2].ravel(), raw[2048:])
+    xt, yt = data.load_cifar10(str(tmp_path), train=False)
+    assert xt.shape == (7, 32, 32, 3)
+
+
+def test_cifar_missing_offline_gives_clear_error(tmp_path, monkeypatch):
+    import torchvision
+
+    def offline(*a, **k):
+        raise OSError("[Errno -3] Temporary failure in name resolution")
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", offline)
+    with pytest.raises(UsageError) as exc:
+        data.load_cifar10(str(tmp_path), train=True)
+    msg = str(exc.value)
+    assert "cifar-10-batches-py" in msg and "--dataset synthetic" in msg and "\n" not in msg
+
+
+def test_cifar_corrupt_file(tmp_path):
+    folder = fake_cifar(tmp_path)
+    with open(os.path.join(folder, "data_batch_3"), "wb") as fh:
+        fh.write(b"not a pickle at all")
+    with pytest.raises(UsageError, match="data_batch_3 is corrupt"):
+        data.load_cifar10(str(tmp_path), train=True)
+
+
+def test_cifar_through_loaders(tmp_path):
+    fake_cifar(tmp_path)
+    cfg = TrainConfig(data_dir=str(tmp_path), image_size=40, batch_size=10, workers=0, train_samples=50,
+                      test_samples=0)
+    train, test = data.build_loaders(cfg, 0, 1, torch.device("cpu"))
+    x, y = next(iter(train))
+    assert x.shape == (10, 3, 40, 40) and x.dtype == torch.float32
+    assert sum(len(b[0]) for b in train) == 50 and sum(int(b[2].sum()) for b in test) == 7
+
+
+def test_synthetic_is_deterministic_and_balanced():
+    a, la = data.make_synthetic(500, seed=3, train=True)
+    b, lb = data.make_synthetic(500, seed=3, train=True)
+    c, _ = data.make_synthetic(500, seed=4, train=True)
+    assert np.array_equal(a, b) and np.array_equal(la, lb) and not np.array_equal(a, c)
+    assert a.shape == (500, 32, 32, 3) and a.dtype == np.uint8
+    assert set(np.unique(la)) == set(range(10))
+
+
+def test_synthetic_classes_are_separable_but_noisy():
+    """A nearest-class-mean classifier on raw pixels: well above chance, well below perfect."""
+    x, y = data.make_synthetic(2000, seed=0, train=True)
+    xt, yt = data.make_synthetic(1000, seed=0, train=False)
+    x, xt = x.reshape(len(x), -1).astype(np.float32), xt.reshape(len(xt), -1).astype(np.float32)
+    means = np.stack([x[y == k].mean(0) for k in range(10)])
+    pred = ((xt[:, None, :] - means[None]) ** 2).sum(-1).argmin(1)
+    acc = (pred == yt).mean()
+    assert 0.3 < acc <= 1.0
+
+
+@pytest.mark.parametrize("n, world", [(37, 1), (37, 2), (37, 4), (10, 3), (3, 4)])
+def test_eval_shards_count_every_sample_once(n, world):
+    seen = []
+    lengths = set()
+    for r in range(world):
+        idx, valid = data.eval_indices(n, r, world)
+        lengths.add(len(idx))
+        seen += idx[valid].tolist()
+    assert sorted(seen) == list(range(n)) and len(lengths) == 1
+
+
+def test_train_shards_disjoint_like_distributed_sampler():
+    cfg = TrainConfig(dataset="synthetic", image_size=32, batch_size=8, workers=0, train_samples=64, test_samples=8)
+    labels_by_rank = []
+    for r in range(2):
+        train, _ = data.build_loaders(cfg, r, 2, torch.device("cpu"))
+        train.sampler.set_epoch(0)
+        labels_by_rank.append(list(train.sampler))
+    assert not set(labels_by_rank[0]) & set(labels_by_rank[1])
+    assert len(labels_by_rank[0]) + len(labels_by_rank[1]) == 64
+
+
+def test_batch_must_divide_world():
+    cfg = TrainConfig(batch_size=10, grad_accum=2)
+    with pytest.raises(UsageError, match="multiple of 4"):
+        data.per_rank_batch(cfg, 2)
+
+
+@pytest.mark.parametrize("augment", [True, False])
+def test_gpu_loader_matches_classic_pipeline(augment):
+    """The device-resident pipeline (run here on CPU) against the DataLoader: shapes, dtypes, labels,
+    sample counts and per-epoch reshuffling; value statistics close (same normalization)."""
+    kw = dict(dataset="synthetic", image_size=48, batch_size=16, workers=0, train_samples=100, test_samples=21,
+              augment=augment)
+    for world in (1, 2):
+        classic = [data.build_loaders(TrainConfig(**kw), r, world, torch.device("cpu")) for r in range(world)]
+        gpu = [data.build_loaders(TrainConfig(**kw, loader="gpu"), r, world, torch.device("cpu"))
+               for r in range(world)]
+        for (ct, ce), (gt, ge) in zip(classic, gpu):
+            assert len(ct) == len(gt) and len(ce) == len(ge)
+            cx, cy = next(iter(ct))
+            gx, gy = next(iter(gt))
+            assert cx.shape == gx.shape and cx.dtype == gx.dtype and cy.dtype == gy.dtype
+            assert abs(cx.mean() - gx.mean()) < 0.3 and abs(cx.std() - gx.std()) < 0.3
+        test_labels = sorted(y for _, ge in gpu for _, yb, ok in ge for y in yb[ok].tolist())
+        classic_labels = sorted(y for _, ce in classic for _, yb, ok in ce for y in yb[ok].tolist())
+        assert test_labels == classic_labels and len(test_labels) == 21
+        train_count = sum(len(yb) for gt, _ in gpu for _, yb in gt)
+        assert train_count == sum(len(yb) for ct, _ in classic for _, yb in ct)
+    gt, _ = data.build_loaders(TrainConfig(**kw, loader="gpu"), 0, 1, torch.device("cpu"))
+    first = torch.cat([y for _, y in gt])
+    gt.set_epoch(1)
+    assert not torch.equal(first, torch.cat([y for _, y in gt]))

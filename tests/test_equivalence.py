@@ -1,0 +1,57 @@
+"""DDP (2 ranks x B/2), DDP+ZeRO and FSDP must train exactly like one process with batch B.
+
+BatchNorm: with --freeze-bn every BN layer runs in eval mode (fixed running statistics), so the
+loss of a batch no longer depends on how it is split over ranks; augmentation is off so both
+runs see the same pixels. DistributedSampler with one permutation per seed gives rank r the
+samples P[r::2]: the union of the two ranks' micro-batches at step k is the single process's batch k.
+What remains is float summation order (one sum over B vs an all-reduce of two sums over B/2):
+about 1e-7 relative per operation. TOLERANCE allows 1e-4 absolute on weights after 6 SGD steps
+at lr 0.05; a wrong gradient average (sum instead of mean, a missed all-reduce) moves weights by
+about lr x |grad| ~ 1e-2, a hundred times more, so the test still catches it.
+"""
+import pytest
+import torch
+
+from conftest import check_ok, rows, run, tiny_args
+
+TOLERANCE = 1e-4
+
+
+def final(tmp_path, script):
+    return torch.load(tmp_path / "ckpt" / script[:-3] / "model_final.pt", map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("single")
+    check_ok(run("pytorch_SingleGPU.py", args(tmp_path)))
+    return final(tmp_path, "pytorch_SingleGPU.py"), float(rows(tmp_path / "summary.csv")[0]["train_loss"])
+
+
+def args(tmp_path):
+    return tiny_args(tmp_path, train_samples=96, batch_size=16, augment=False, freeze_bn=True, warmup_steps=0)
+
+
+@pytest.mark.parametrize("script", ["pytorch_DDP.py", "pytorch_DDP_ZeRO.py", "pytorch_FSDP.py",
+                                    "pytorch_DeepSpeed.py"])
+def test_same_weights_as_one_process(tmp_path, reference, script):
+    ref_sd, ref_loss = reference
+    check_ok(run(script, args(tmp_path), nproc=2, launcher="torchrun"))
+    sd = final(tmp_path, script)
+    diff = max((sd[k].float() - ref_sd[k].float()).abs().max().item() for k in ref_sd)
+    moved = max((ref_sd[k].float() - final_init(k, ref_sd)).abs().max().item() for k in ("fc.weight",))
+    loss = float(rows(tmp_path / "summary.csv")[0]["train_loss"])
+    print(f"{script}: max |w - w_single| = {diff:.2e}, |loss - loss_single| = {abs(loss - ref_loss):.2e}")
+    assert moved > 100 * TOLERANCE  # training really changed the weights
+    assert diff < TOLERANCE
+    assert abs(loss - ref_loss) < 1e-4
+
+
+def final_init(key, ref_sd):
+    """The head's initial weights (seed 0), to check that the runs moved far more than the tolerance."""
+    from common.config import TrainConfig
+    from common.models import build_model
+    from common.train import seed_everything
+
+    seed_everything(0)
+    return build_model(TrainConfig(model="resnet18", pretrained=False)).state_dict()[key]

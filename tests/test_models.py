@@ -1,0 +1,51 @@
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+
+from common.config import TrainConfig, UsageError
+from common.models import build_model
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "vit_b_16", "convnext_tiny"])
+def test_head_has_ten_classes(name):
+    model = build_model(TrainConfig(model=name, pretrained=False))
+    last = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
+    assert last.out_features == 10
+
+
+def test_grad_checkpointing_same_result_same_keys():
+    torch.manual_seed(0)
+    plain = build_model(TrainConfig(model="resnet18", pretrained=False))
+    ckpt = build_model(TrainConfig(model="resnet18", pretrained=False, grad_checkpointing=True))
+    ckpt.load_state_dict(plain.state_dict())
+    assert list(plain.state_dict()) == list(ckpt.state_dict())
+    x = torch.randn(4, 3, 32, 32)
+    for m in (plain, ckpt):
+        m.train()
+        m(x).square().mean().backward()
+    for (n, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5), n
+    assert torchvision.models.resnet18(num_classes=10).load_state_dict(ckpt.state_dict())
+
+
+def test_pretrained_offline_names_the_way_out(monkeypatch):
+    def offline(*a, **k):
+        raise OSError("no network")
+    monkeypatch.setattr(torchvision.models, "get_model", offline)
+    with pytest.raises(UsageError) as exc:
+        build_model(TrainConfig(model="resnet18", pretrained=True))
+    assert "--no-pretrained" in str(exc.value) and "checkpoints" in str(exc.value)
+
+
+def test_unknown_model():
+    with pytest.raises(UsageError, match="unknown model"):
+        build_model(TrainConfig(model="resnet5000", pretrained=False))
+
+
+def test_probes_empty_on_cpu():
+    from common.probes import Probes
+    values = Probes([torch.device("cpu")]).start().stop()
+    assert set(values) == {"peak_allocated_gib", "peak_reserved_gib", "peak_nvml_gib", "gpu_util_mean",
+                           "gpu_util_peak"}
+    assert all(v is None for v in values.values())

@@ -1,0 +1,77 @@
+import multiprocessing as mp
+import os
+
+import pytest
+
+from common.config import UsageError
+from common.results import COLUMNS, append_row, read_rows
+
+CONTRACT = ("timestamp, script, strategy, precision, world_size, device, model, dataset, image_size, "
+            "global_batch_size, epochs, steps, train_time_s, throughput_img_s, peak_allocated_gib, "
+            "peak_reserved_gib, peak_nvml_gib, gpu_util_mean, gpu_util_peak, train_loss, test_accuracy, "
+            "test_samples, status, torch_version, git_commit").split(", ")
+
+
+def test_contract_columns_in_order():
+    assert COLUMNS[:len(CONTRACT)] == CONTRACT
+
+
+def test_header_once_then_rows(tmp_path):
+    path = str(tmp_path / "sub" / "s.csv")
+    append_row(path, {"script": "a", "status": "ok", "train_loss": 1.5})
+    append_row(path, {"script": "b", "status": "ok", "peak_allocated_gib": None})
+    text = open(path).read().splitlines()
+    assert text[0] == ",".join(COLUMNS) and len(text) == 3
+    got = read_rows(path)
+    assert [r["script"] for r in got] == ["a", "b"] and got[1]["peak_allocated_gib"] == ""
+
+
+def _writer(args):
+    path, i = args
+    for j in range(20):
+        append_row(path, {"script": f"w{i}", "steps": j, "status": "ok", "error": "comma, \"quote\"\nnewline"})
+
+
+def test_concurrent_appends_keep_every_row(tmp_path):
+    path = str(tmp_path / "s.csv")
+    with mp.get_context("spawn").Pool(4) as pool:
+        pool.map(_writer, [(path, i) for i in range(4)])
+    got = read_rows(path)
+    assert len(got) == 80
+    assert sorted((r["script"], int(r["steps"])) for r in got) == sorted((f"w{i}", j) for i in range(4) for j in range(20))
+    assert all(r["error"] == "comma, \"quote\"\nnewline" for r in got)
+
+
+@pytest.mark.parametrize("content, words", [
+    ("a,b,c\n1,2,3\n", "another header"),
+    ("\x00\x01garbage", "another header"),
+    (",".join(COLUMNS) + "\n2026,partial", "cut-off line"),
+])
+def test_foreign_or_broken_file_is_kept(tmp_path, content, words):
+    path = tmp_path / "s.csv"
+    path.write_text(content)
+    with pytest.raises(UsageError, match=words):
+        append_row(str(path), {"script": "x", "status": "ok"})
+    assert path.read_text() == content
+
+
+def test_unknown_column_is_a_bug():
+    from common.results import format_row
+    with pytest.raises(ValueError):
+        format_row({"nope": 1})
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_not_writable(tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o500)
+    with pytest.raises(UsageError, match="not writable"):
+        append_row(str(d / "s.csv"), {"script": "x"})
+
+
+def test_results_folder_cannot_be_made(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(UsageError, match="cannot be created"):
+        append_row(str(blocker / "s.csv"), {"script": "x"})
