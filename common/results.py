@@ -24,7 +24,7 @@ COLUMNS = [
     "skipped_steps", "resumed", "tf32", "channels_last", "grad_checkpointing", "compile", "loader",
     "grad_accum", "optimizer", "lr", "seed", "pretrained", "error",
 ]
-STATUSES = ("ok", "diverged", "oom", "failed", "timeout")
+STATUSES = ("ok", "diverged", "oom", "failed", "timeout", "skipped")
 
 
 def _lock(path: str) -> FileLock:

@@ -1,0 +1,90 @@
+"""benchmark.py: the smoke preset end to end, failures recorded, reruns skipped, report from bad CSVs."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from common.report import write_report
+from common.results import append_row
+from conftest import ROOT, rows
+
+TRAINING_SCRIPTS = ["pytorch_SingleGPU.py", "pytorch_half_precision.py", "pytorch_auto_mixed_precision.py",
+                    "pytorch_DP.py", "pytorch_DDP.py", "pytorch_DDP_ZeRO.py", "pytorch_FSDP.py",
+                    "pytorch_DeepSpeed.py", "accelerate_DDP.py", "accelerate_FSDP.py", "accelerate_DeepSpeed.py"]
+
+
+def bench(tmp_path, *args, timeout=900):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, "benchmark.py", "--results", str(tmp_path / "summary.csv"),
+                           "--report", str(tmp_path / "REPORT.md"), "--log-dir", str(tmp_path / "logs"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_smoke_preset_end_to_end(tmp_path):
+    proc = bench(tmp_path, "--preset", "smoke")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = {r["script"]: r for r in rows(tmp_path / "summary.csv")}
+    assert sorted(got) == sorted(TRAINING_SCRIPTS)
+    for script, r in got.items():
+        expected = "skipped" if script == "accelerate_FSDP.py" else "ok"  # accelerate's FSDP needs CUDA
+        assert r["status"] == expected, (script, r["status"], r["error"])
+    assert "step 16/16" in proc.stdout and "img/s" in proc.stdout  # live progress
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "smoke/pytorch_FSDP" in report and "Published figures" in report and "Tesla P40" in report
+    charts = os.listdir(tmp_path / "charts")
+    assert any(c.endswith("throughput_img_s.png") for c in charts)
+    assert any(c.endswith("test_accuracy.png") for c in charts)
+    again = bench(tmp_path, "--preset", "smoke", "--only", "pytorch_SingleGPU.py")
+    assert "already in" in again.stdout and len(rows(tmp_path / "summary.csv")) == len(TRAINING_SCRIPTS)
+
+
+def test_failures_are_recorded_and_the_matrix_goes_on(tmp_path):
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text("""presets:
+  t:
+    timeout_s: 120
+    args: {dataset: synthetic, pretrained: false, model: resnet18, image_size: 32, epochs: 1, batch_size: 16,
+           train_samples: 64, test_samples: 20, workers: 0, log_every: 0}
+    runs:
+      - {name: bad_model, script: pytorch_SingleGPU.py, args: {model: resnet5000}}
+      - {name: too_slow, script: pytorch_SingleGPU.py, args: {epochs: 50, train_samples: 5000}, timeout_s: 6}
+      - {name: diverges, script: pytorch_SingleGPU.py, args: {lr: 1.0e+30, max_nonfinite_steps: 1, log_every: 1}}
+      - {name: fine, script: pytorch_SingleGPU.py}
+""")
+    proc = bench(tmp_path, "--preset", "t", "--matrix", str(matrix))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_name = {r["run_name"]: r for r in rows(tmp_path / "summary.csv")}
+    assert by_name["t/bad_model"]["status"] == "failed" and "resnet5000" in by_name["t/bad_model"]["error"]
+    assert by_name["t/too_slow"]["status"] == "timeout"
+    assert by_name["t/diverges"]["status"] == "diverged" and "non-finite" in by_name["t/diverges"]["error"]
+    assert by_name["t/fine"]["status"] == "ok"
+    assert len(rows(tmp_path / "summary.csv")) == 4  # the script's own row is not doubled
+    assert "not ok: t/bad_model: failed" in (tmp_path / "REPORT.md").read_text().lower()
+
+
+def test_report_from_partial_and_failed_rows(tmp_path):
+    csv = str(tmp_path / "s.csv")
+    append_row(csv, {"script": "pytorch_SingleGPU.py", "precision": "fp32", "status": "ok", "device_name": "GPU X",
+                     "model": "resnet50", "image_size": 224, "throughput_img_s": 100.0, "peak_allocated_gib": 10.0,
+                     "test_accuracy": 0.8, "tf32": False})
+    append_row(csv, {"script": "pytorch_DDP.py", "precision": "amp_bf16", "status": "ok", "device_name": "GPU X",
+                     "model": "resnet50", "image_size": 224, "throughput_img_s": 250.0, "peak_allocated_gib": 5.0,
+                     "world_size": 2})
+    append_row(csv, {"script": "pytorch_FSDP.py", "status": "oom", "device_name": "GPU X", "model": "resnet50",
+                     "image_size": 224, "error": "CUDA out of memory"})
+    append_row(csv, {"script": "pytorch_DP.py", "status": "failed"})  # almost everything missing
+    write_report(csv, str(tmp_path / "R.md"), os.path.join(ROOT, "results", "reference.csv"))
+    text = (tmp_path / "R.md").read_text()
+    assert "2.50x" in text and "0.50x" in text  # speed-up and memory ratio against single fp32
+    assert "oom (CUDA out of memory)" in text and "pytorch_DP" in text
+
+
+def test_report_of_an_empty_or_missing_csv(tmp_path):
+    write_report(str(tmp_path / "none.csv"), str(tmp_path / "R.md"))
+    assert "No runs yet" in (tmp_path / "R.md").read_text()
+
+
+def test_unknown_preset_one_line(tmp_path):
+    proc = bench(tmp_path, "--preset", "nope")
+    assert proc.returncode == 2 and "unknown preset 'nope'" in proc.stderr and "Traceback" not in proc.stderr
