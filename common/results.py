@@ -31,7 +31,7 @@ def _lock(path: str) -> FileLock:
     return FileLock(path + ".lock", timeout=60)
 
 
-def _check_existing(path: str) -> bool:
+def _check_existing(path: str, columns: list[str] = COLUMNS) -> bool:
     """True when the file exists with our header and ends cleanly; raises UsageError otherwise."""
     if not os.path.exists(path) or os.path.getsize(path) == 0:
         return False
@@ -42,7 +42,7 @@ def _check_existing(path: str) -> bool:
             last = fh.read(1)
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"results file {path} cannot be read ({type(exc).__name__}); it was left as is") from None
-    if first != ",".join(COLUMNS):
+    if first != ",".join(columns):
         raise UsageError(f"results file {path} has another header (not written by this project, or an older "
                          f"schema); it was left as is: pass --results NEW.csv or move it away")
     if last != b"\n":
@@ -50,7 +50,7 @@ def _check_existing(path: str) -> bool:
     return True
 
 
-def check_results_path(path: str) -> None:
+def check_results_path(path: str, columns: list[str] = COLUMNS) -> None:
     """Fails early (before training) when the results file could not take a row."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
@@ -59,26 +59,26 @@ def check_results_path(path: str) -> None:
         raise UsageError(f"results folder {folder} cannot be created ({exc.strerror})") from None
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise UsageError(f"results file {path} is not writable")
-    _check_existing(path)
+    _check_existing(path, columns)
 
 
-def format_row(row: dict) -> str:
-    unknown = set(row) - set(COLUMNS)
+def format_row(row: dict, columns: list[str] = COLUMNS) -> str:
+    unknown = set(row) - set(columns)
     if unknown:
         raise ValueError(f"unknown result columns: {sorted(unknown)}")
     buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerow(["" if row.get(c) is None else row.get(c) for c in COLUMNS])
+    csv.writer(buf, lineterminator="\n").writerow(["" if row.get(c) is None else row.get(c) for c in columns])
     return buf.getvalue()
 
 
-def append_row(path: str, row: dict) -> None:
-    check_results_path(path)
-    line = format_row(row)
+def append_row(path: str, row: dict, columns: list[str] = COLUMNS) -> None:
+    check_results_path(path, columns)
+    line = format_row(row, columns)
     try:
         with _lock(path):
-            has_header = _check_existing(path)
+            has_header = _check_existing(path, columns)
             with open(path, "a", encoding="utf-8") as fh:
-                fh.write(line if has_header else ",".join(COLUMNS) + "\n" + line)
+                fh.write(line if has_header else ",".join(columns) + "\n" + line)
                 fh.flush()
                 os.fsync(fh.fileno())
     except Timeout:
@@ -87,8 +87,8 @@ def append_row(path: str, row: dict) -> None:
         raise UsageError(f"results file {path} is not writable") from None
 
 
-def read_rows(path: str) -> list[dict]:
-    if not _check_existing(path):
+def read_rows(path: str, columns: list[str] = COLUMNS) -> list[dict]:
+    if not _check_existing(path, columns):
         return []
     with open(path, newline="", encoding="utf-8") as fh:
         return list(csv.DictReader(fh))

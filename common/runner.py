@@ -111,3 +111,15 @@ def launch(main, script_file: str, strategy: str, precisions=("fp32",), cfg_cls=
         cleanup()
     if code:
         sys.exit(code)
+
+
+def launch_tool(main, script_file: str, cfg_cls=TrainConfig, precisions=("fp32",), **defaults) -> None:
+    """For scripts that are not training runs (model_inference.py): same config and error handling,
+    main() writes its own rows."""
+    script = os.path.basename(script_file)
+    try:
+        cfg = parse_config(cfg_cls, sys.modules["__main__"].__doc__ or "", precisions, **defaults)
+        main(cfg)
+    except UsageError as exc:
+        print(f"{script}: error: {exc}", file=sys.stderr)
+        sys.exit(2)

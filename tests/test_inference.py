@@ -1,0 +1,70 @@
+"""model_inference.py on checkpoints the training scripts wrote: same accuracy, ONNX parity, clear errors.
+
+ONNX tolerance: both sides run fp32; onnxruntime folds BatchNorm into the convolutions and uses
+other kernels, which changes rounding at ~1e-6 relative per op. Through ResNet18's 20 layers the
+logits (magnitude ~1-10) move by ~1e-5; MAX_DIFF = 1e-3 leaves two orders of margin while a
+wrong export (missing normalization, wrong layout, dropped layer) moves them by > 0.1.
+"""
+import pytest
+import torch
+import torchvision
+
+from conftest import check_ok, one_line_error, rows, run, tiny_args
+
+MAX_DIFF = 1e-3
+INFER = ["--device", "cpu", "--dataset", "synthetic", "--no-pretrained", "--model", "resnet18", "--image-size", "32",
+         "--test-samples", "37", "--workers", "0", "--latency-iters", "3", "--throughput-iters", "2",
+         "--batch-size", "16", "--warmup-iters", "1"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    check_ok(run("pytorch_SingleGPU.py", tiny_args(tmp)))
+    for script in ("pytorch_DDP.py", "pytorch_FSDP.py", "pytorch_DeepSpeed.py"):
+        check_ok(run(script, tiny_args(tmp), nproc=2, launcher="torchrun"))
+    return tmp, {r["script"]: float(r["test_accuracy"]) for r in rows(tmp / "summary.csv")}
+
+
+def test_every_checkpoint_gives_the_training_runs_accuracy(trained, tmp_path):
+    tmp, accuracy = trained
+    out = tmp_path / "inference.csv"
+    check_ok(run("model_inference.py", ["--checkpoint", str(tmp / "ckpt"), "--results", str(out)] + INFER))
+    got = {r["script"]: r for r in rows(out)}
+    assert sorted(got) == sorted(accuracy)
+    for script, r in got.items():
+        assert float(r["test_accuracy"]) == pytest.approx(accuracy[script], abs=1e-6), script
+        assert r["backend"] == "torch" and int(r["test_samples"]) == 37
+        assert 0 < float(r["latency_ms_p50"]) <= float(r["latency_ms_p90"]) and float(r["throughput_img_s"]) > 0
+
+
+def test_onnx_parity(trained, tmp_path):
+    tmp, accuracy = trained
+    out = tmp_path / "inference.csv"
+    ckpt = tmp / "ckpt" / "pytorch_DDP" / "model_final.pt"
+    check_ok(run("model_inference.py", ["--checkpoint", str(ckpt), "--results", str(out), "--onnx"] + INFER))
+    torch_row, ort_row = rows(out)
+    assert ort_row["backend"] == "onnxruntime:CPUExecutionProvider" and ort_row["onnx_opset"] == "18"
+    assert float(ort_row["max_abs_diff"]) < MAX_DIFF
+    assert float(ort_row["top1_agreement"]) >= 0.99
+    assert float(ort_row["test_accuracy"]) == pytest.approx(float(torch_row["test_accuracy"]), abs=1 / 37 + 1e-9)
+    import onnx
+    model = onnx.load(str(ckpt).replace(".pt", ".onnx"))
+    assert model.graph.input[0].name == "images" and model.graph.output[0].name == "logits"
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # dynamic batch axis
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p: p.write_bytes(b"garbage bytes"), "is not a PyTorch checkpoint"),
+    (lambda p: torch.save({"epoch": 3}, p), "is not a plain state_dict"),
+    (lambda p: torch.save(torchvision.models.resnet34(num_classes=10).state_dict(), p), "does not fit --model resnet18"),
+    (lambda p: torch.save(torchvision.models.resnet18().state_dict(), p), "another class count"),
+    (None, "checkpoint not found"),
+])
+def test_bad_checkpoints(tmp_path, make, words):
+    path = tmp_path / "model_final.pt"
+    if make:
+        make(path)
+    proc = run("model_inference.py", ["--checkpoint", str(path), "--results", str(tmp_path / "i.csv")] + INFER)
+    assert words in one_line_error(proc)
+    assert not (tmp_path / "i.csv").exists()
