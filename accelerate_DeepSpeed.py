@@ -34,6 +34,8 @@ class AccelerateDeepSpeedConfig(TrainConfig):
 
 
 def main(cfg):
+    if cfg.compile:
+        raise UsageError("--compile is not wired for DeepSpeed engines here (DeepSpeed has its own compile config)")
     if cfg.grad_accum != 1:
         raise UsageError("--grad-accum: DeepSpeed accumulates inside its engine; this script runs 1")
     info = init_distributed(cfg)  # torch.distributed first: the rank and world every metric relies on

@@ -40,6 +40,8 @@ def main(cfg):
     info = init_distributed(cfg)
     rank, world_size, device = info.rank, info.world_size, info.device
     configure_backends(cfg, device)
+    if cfg.compile:
+        raise UsageError("--compile is not wired for DeepSpeed engines here (DeepSpeed has its own compile config)")
     if cfg.grad_accum != 1:
         raise UsageError("--grad-accum: DeepSpeed accumulates inside engine.step(); this script runs 1")
     if cfg.offload and device.type != "cuda":

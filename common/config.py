@@ -148,7 +148,7 @@ def build_parser(cls, description: str, precisions: Sequence[str]) -> argparse.A
                      argument_default=argparse.SUPPRESS)
     for f in dataclasses.fields(cls):
         flags = ["--" + f.name.replace("_", "-")]
-        if "_" in f.name:  # DeepSpeed's launcher passes --local_rank, its docs say --deepspeed_config
+        if f.name in ("local_rank", "deepspeed_config"):  # DeepSpeed's launcher and docs spell them so
             flags.append("--" + f.name)
         choices = f.metadata.get("choices")
         if f.name == "precision":

@@ -46,9 +46,18 @@ def test_precision_restricted_per_script():
     assert parse_config(TrainConfig, precisions=("fp16", "bf16"), argv=[]).precision == "fp16"
 
 
-def test_underscore_alias_for_launchers():
-    cfg = parse_config(TrainConfig, argv=["--batch_size", "64", "--warmup-steps", "3"])
-    assert (cfg.batch_size, cfg.warmup_steps) == (64, 3)
+def test_underscore_alias_for_deepspeed_launcher():
+    from dataclasses import dataclass
+
+    from common.config import opt
+
+    @dataclass
+    class C(TrainConfig):
+        local_rank: int = opt(-1, "set by the launcher")
+        deepspeed_config: str = opt("x.json", "DeepSpeed JSON")
+
+    cfg = parse_config(C, argv=["--local_rank=1", "--deepspeed_config", "y.json", "--warmup-steps", "3"])
+    assert (cfg.local_rank, cfg.deepspeed_config, cfg.warmup_steps) == (1, "y.json", 3)
 
 
 @pytest.mark.parametrize("extra, words", [
