@@ -12,11 +12,21 @@ articles' repository counted 10112 test samples instead of 10000). On CPU, use t
 """
 from contextlib import nullcontext
 
-import torch
 from accelerate import Accelerator
 
-from common import (build_loaders, build_model, build_optimizer, build_scheduler, configure_backends, fit, launch,
-                    pick_device, save_final, steps_per_epoch)
+from common import (
+    AccelerateCheckpointer,
+    build_loaders,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    configure_backends,
+    fit,
+    launch,
+    pick_device,
+    save_final,
+    steps_per_epoch,
+)
 from common.accel import accelerate_precision, check_world, make_gather_eval
 
 
@@ -45,7 +55,9 @@ def main(cfg):
         scheduler.step()
 
     metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  no_sync=lambda: accelerator.no_sync(model), eval_fn=make_gather_eval(accelerator, world_size))
+                  no_sync=lambda: accelerator.no_sync(model), eval_fn=make_gather_eval(accelerator, world_size),
+                  checkpointer=AccelerateCheckpointer(cfg, __file__, model, optimizer, scheduler, None, train_loader,
+                                                             accelerator=accelerator))
     save_final(accelerator.get_state_dict(model), cfg, __file__)
     return metrics, {"precision": accelerator.mixed_precision if accelerator.mixed_precision != "no" else "fp32"}
 

@@ -20,9 +20,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede the deepspeed import
 from accelerate import Accelerator, DeepSpeedPlugin, DistributedType  # noqa: E402
 
-from common import (TrainConfig, UsageError, build_loaders, build_model, build_optimizer, build_scheduler,  # noqa: E402
-                    configure_backends, fit, init_distributed, launch, opt, per_rank_batch, save_final,
-                    steps_per_epoch)
+from common import (  # noqa: E402
+    AccelerateCheckpointer,
+    TrainConfig,
+    UsageError,
+    build_loaders,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    configure_backends,
+    fit,
+    init_distributed,
+    launch,
+    opt,
+    per_rank_batch,
+    save_final,
+    steps_per_epoch,
+)
 from common.accel import check_world, make_gather_eval  # noqa: E402
 from common.deepspeed_config import resolve_ds_config  # noqa: E402
 
@@ -69,7 +83,9 @@ def main(cfg):
         scheduler.step()
 
     metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  input_dtype=dtype, eval_fn=make_gather_eval(accelerator, world_size))
+                  input_dtype=dtype, eval_fn=make_gather_eval(accelerator, world_size),
+                  checkpointer=AccelerateCheckpointer(cfg, __file__, model, optimizer, scheduler, None, train_loader,
+                                                             accelerator=accelerator))
     state = accelerator.get_state_dict(model)  # a collective under ZeRO-3: every rank calls it
     save_final(state, cfg, __file__)
     stage = ds_config["zero_optimization"].get("stage", 0)

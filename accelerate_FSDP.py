@@ -15,8 +15,19 @@ from contextlib import nullcontext
 
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
-from common import (build_loaders, build_model, build_optimizer, build_scheduler, configure_backends, fit, launch,
-                    pick_device, save_final, steps_per_epoch)
+from common import (
+    AccelerateCheckpointer,
+    build_loaders,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    configure_backends,
+    fit,
+    launch,
+    pick_device,
+    save_final,
+    steps_per_epoch,
+)
 from common.accel import accelerate_precision, check_world, make_gather_eval, require_cuda
 
 
@@ -53,7 +64,9 @@ def main(cfg):
         scheduler.step()
 
     metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  eval_fn=make_gather_eval(accelerator, world_size))
+                  eval_fn=make_gather_eval(accelerator, world_size),
+                  checkpointer=AccelerateCheckpointer(cfg, __file__, model, optimizer, scheduler, None, train_loader,
+                                                             accelerator=accelerator))
     save_final(accelerator.get_state_dict(model), cfg, __file__)  # gathers the full weights on rank 0
     return metrics, {"precision": accelerator.mixed_precision if accelerator.mixed_precision != "no" else "fp32"}
 

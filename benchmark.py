@@ -132,7 +132,8 @@ def execute(run: dict, i: int, n: int, gpus: int, results: str, log_dir: str, t0
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     start = time.time()
-    head = f"[{i}/{n}] {run['name']} ({os.path.basename(cmd[0]) if run['script'] in DISTRIBUTED else 'python'} x{nproc})"
+    launcher = os.path.basename(cmd[0]) if run["script"] in DISTRIBUTED else "python"
+    head = f"[{i}/{n}] {run['name']} ({launcher} x{nproc})"
     print(head, flush=True)
     lines: list[str] = []
     with open(log_path, "w") as log:

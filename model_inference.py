@@ -17,7 +17,6 @@ from __future__ import annotations
 import glob
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np

@@ -17,9 +17,23 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (TrainConfig, UsageError, build_loaders, build_model, build_optimizer, build_scheduler,
-                    check_dtype_support, configure_backends, fit, init_distributed, launch, opt, save_final,
-                    steps_per_epoch)
+from common import (
+    Checkpointer,
+    TrainConfig,
+    UsageError,
+    build_loaders,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    check_dtype_support,
+    configure_backends,
+    fit,
+    init_distributed,
+    launch,
+    opt,
+    save_final,
+    steps_per_epoch,
+)
 
 
 @dataclass
@@ -60,7 +74,8 @@ def main(cfg):
 
     # no_sync: accumulate micro-batches locally, all-reduce only on the last one
     metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  no_sync=model.no_sync)
+                  no_sync=model.no_sync,
+                  checkpointer=Checkpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     save_final(model.module.state_dict(), cfg, __file__)
     return metrics, {"precision": cfg.precision if dtype is None else f"amp_{cfg.precision}"}
 

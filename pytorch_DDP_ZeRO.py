@@ -14,8 +14,22 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (TrainConfig, build_loaders, build_model, build_scheduler, check_dtype_support, configure_backends,
-                    fit, global_rank, init_distributed, launch, optimizer_spec, save_final, steps_per_epoch)
+from common import (
+    TrainConfig,
+    ZeroCheckpointer,
+    build_loaders,
+    build_model,
+    build_scheduler,
+    check_dtype_support,
+    configure_backends,
+    fit,
+    global_rank,
+    init_distributed,
+    launch,
+    optimizer_spec,
+    save_final,
+    steps_per_epoch,
+)
 
 
 @dataclass
@@ -52,7 +66,8 @@ def main(cfg):
         scheduler.step()
 
     metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  no_sync=model.no_sync)
+                  no_sync=model.no_sync,
+                  checkpointer=ZeroCheckpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     path = save_final(model.module.state_dict(), cfg, __file__)
     optimizer.consolidate_state_dict(to=0)  # a collective: every rank takes part, rank 0 receives
     if global_rank() == 0:

@@ -13,8 +13,20 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from common import (build_loaders, build_model, build_optimizer, build_scheduler, configure_backends, fit,
-                    init_distributed, launch, require_single_process, save_final, steps_per_epoch)
+from common import (
+    Checkpointer,
+    build_loaders,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    configure_backends,
+    fit,
+    init_distributed,
+    launch,
+    require_single_process,
+    save_final,
+    steps_per_epoch,
+)
 
 
 def main(cfg):
@@ -47,7 +59,8 @@ def main(cfg):
 
     devices = [torch.device("cuda", i) for i in gpus] or [device]
     metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  probe_devices=devices)
+                  probe_devices=devices,
+                  checkpointer=Checkpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     save_final(model.state_dict(), cfg, __file__)  # save_final strips DataParallel's 'module.' prefix
     used = max(1, len(gpus))
     return metrics, {"world_size": used, "num_devices": used}

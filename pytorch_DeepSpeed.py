@@ -22,9 +22,26 @@ if not torch.cuda.is_available():
 import deepspeed  # noqa: E402
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: E402
 
-from common import (TrainConfig, UsageError, barrier, build_loaders, build_model, build_optimizer,  # noqa: E402
-                    build_scheduler, check_dtype_support, configure_backends, fit, global_rank, init_distributed,
-                    launch, opt, per_rank_batch, save_final, steps_per_epoch)
+from common import (  # noqa: E402
+    DeepSpeedCheckpointer,
+    TrainConfig,
+    UsageError,
+    barrier,
+    build_loaders,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    check_dtype_support,
+    configure_backends,
+    fit,
+    global_rank,
+    init_distributed,
+    launch,
+    opt,
+    per_rank_batch,
+    save_final,
+    steps_per_epoch,
+)
 from common.deepspeed_config import resolve_ds_config  # noqa: E402
 
 
@@ -67,7 +84,8 @@ def main(cfg):
         engine.step()
 
     metrics = fit(cfg, engine, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  input_dtype=dtype)
+                  input_dtype=dtype,
+                  checkpointer=DeepSpeedCheckpointer(cfg, __file__, engine, optimizer, scheduler, None, train_loader))
     ckpt_dir = os.path.join(cfg.save_dir, "pytorch_DeepSpeed", "ds_checkpoint")
     engine.save_checkpoint(ckpt_dir, tag="final")  # every rank writes its shard
     barrier()

@@ -20,9 +20,23 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from common import (TrainConfig, UsageError, build_loaders, build_model, build_optimizer, build_scheduler,
-                    check_dtype_support, configure_backends, fit, init_distributed, launch, opt, save_final,
-                    steps_per_epoch)
+from common import (
+    DCPCheckpointer,
+    TrainConfig,
+    UsageError,
+    build_loaders,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    check_dtype_support,
+    configure_backends,
+    fit,
+    init_distributed,
+    launch,
+    opt,
+    save_final,
+    steps_per_epoch,
+)
 
 
 @dataclass
@@ -87,7 +101,8 @@ def main(cfg):
         scheduler.step()
 
     metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  input_dtype=dtype or torch.float32)
+                  input_dtype=dtype or torch.float32,
+                  checkpointer=DCPCheckpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     save_final(full, cfg, __file__)  # a collective above; rank 0 alone holds and writes the full weights
     return metrics, {"precision": f"{cfg.precision}" if dtype is None else f"mp_{cfg.precision}",

@@ -11,9 +11,21 @@ counted in the row's skipped_steps. On CPU bf16 and fp16 both run (fp16 slowly).
 """
 import torch
 
-from common import (build_loaders, build_model, build_optimizer, build_scheduler, check_dtype_support,
-                    configure_backends, fit, init_distributed, launch, require_single_process, save_final,
-                    steps_per_epoch)
+from common import (
+    Checkpointer,
+    build_loaders,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    check_dtype_support,
+    configure_backends,
+    fit,
+    init_distributed,
+    launch,
+    require_single_process,
+    save_final,
+    steps_per_epoch,
+)
 
 
 def main(cfg):
@@ -47,7 +59,8 @@ def main(cfg):
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
 
-    metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device)
+    metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
+                  checkpointer=Checkpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     save_final(model.state_dict(), cfg, __file__)
     return metrics, {"precision": f"amp_{cfg.precision}", "skipped_steps": int(skipped)}
 

@@ -16,9 +16,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from common import (TrainConfig, build_loaders, build_model, build_optimizer, build_scheduler, check_dtype_support,
-                    configure_backends, fit, init_distributed, launch, opt, require_single_process, save_final,
-                    steps_per_epoch)
+from common import (
+    Checkpointer,
+    TrainConfig,
+    build_loaders,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    check_dtype_support,
+    configure_backends,
+    fit,
+    init_distributed,
+    launch,
+    opt,
+    require_single_process,
+    save_final,
+    steps_per_epoch,
+)
 
 
 @dataclass
@@ -61,7 +75,8 @@ def main(cfg):
         scheduler.step()
 
     metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  input_dtype=dtype)
+                  input_dtype=dtype,
+                  checkpointer=Checkpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     save_final(model.state_dict(), cfg, __file__)
     suffix = ("+bn32" if cfg.bn_fp32 else "") + (f"+ls{cfg.loss_scale:g}" if cfg.loss_scale != 1.0 else "")
     return metrics, {"precision": f"pure_{cfg.precision}{suffix}"}

@@ -74,6 +74,10 @@ class TrainConfig:
     max_nonfinite_steps: int = opt(5, "stop as 'diverged' after this many consecutive non-finite losses", min=1)
     run_name: str = opt("", "label stored in the CSV row's run_name (benchmark.py sets it)")
     results: str = opt("results/summary.csv", "CSV that gets one row per run")
+    resume: str = opt("", "auto = continue from <save_dir>/<script>/resume when there is one (else start); "
+                      "PATH = that checkpoint, which must exist; empty = start from scratch")
+    epoch_checkpoints: bool = opt(True, "write the resumable training state after every epoch (atomically; "
+                                  "outside the timed window)")
     save_dir: str = opt("checkpoints", "final weights go to <save_dir>/<script>/model_final.pt")
     config: str = opt(DEFAULT_CONFIG, "YAML file with defaults for any of these fields")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
-import socket
 import subprocess
 import sys
 import traceback
@@ -19,7 +18,7 @@ import torch
 from .config import TrainConfig, UsageError, parse_config
 from .distributed import cleanup, global_rank, pick_device, world_size
 from .results import append_row, check_results_path
-from .train import Diverged, Metrics
+from .train import Diverged
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

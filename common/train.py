@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import TrainConfig
-from .distributed import all_reduce, global_rank, world_size as dist_world_size
+from .distributed import all_reduce, global_rank
 from .probes import Probes
 
 
@@ -120,6 +120,7 @@ class Metrics:
     throughput_img_s: float = 0.0
     timed_steps: int = 0  # optimizer steps inside the throughput window
     compile_time_s: float | None = None  # torch.compile's first forward+backward, outside train_time_s
+    resumed: bool = False  # training state was restored from an epoch checkpoint
     train_loss: float = float("nan")  # mean over the last epoch's samples, all ranks
     train_accuracy: float = float("nan")  # same window, augmented training images
     test_accuracy: float = float("nan")
@@ -145,21 +146,29 @@ def _to_device(x, y, device, input_dtype, channels_last):
 def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, *, backward: Callable[[torch.Tensor], None],
         step: Callable[[], None], ctx: ContextManager, device: torch.device,
         no_sync: Callable[[], ContextManager] = nullcontext, input_dtype: torch.dtype = torch.float32,
-        probe_devices: list[torch.device] | None = None, world_size: int | None = None,
-        eval_fn: Callable | None = None) -> Metrics:
+        probe_devices: list[torch.device] | None = None, eval_fn: Callable | None = None,
+        checkpointer=None) -> Metrics:
     """Trains cfg.epochs epochs, then evaluates once. `backward` gets the micro-batch loss already
-    divided by grad_accum; `step` runs once per optimizer step (optimizer, scaler, scheduler, zero_grad)."""
-    world = world_size or dist_world_size()
+    divided by grad_accum; `step` runs once per optimizer step (optimizer, scaler, scheduler, zero_grad).
+    With a checkpointer, training state is saved after every epoch (outside the timed window) and,
+    with --resume, restored before the first one."""
     rank0 = global_rank() == 0
     spe = steps_per_epoch(cfg, train_loader)
     m = Metrics()
+    start_epoch, window_time, window_steps, saved = 0, 0.0, 0, None
+    if checkpointer is not None and cfg.resume:
+        saved = checkpointer.load(cfg.resume)
+        if saved is not None:
+            start_epoch, window_time, window_steps = saved["epoch"], saved["window_time"], saved["window_steps"]
+            m.steps, m.train_time_s, m.resumed = saved["steps"], saved["train_time_s"], True
+            if rank0:
+                print(f"resumed after epoch {start_epoch} (step {m.steps}) from {checkpointer.describe()}", flush=True)
     net = model
     if cfg.compile:
         net, m.compile_time_s = compile_model(model, train_loader, ctx, device, input_dtype, cfg.channels_last)
     probes = Probes(probe_devices or [device]).start()
     streak = torch.zeros((), dtype=torch.int32, device=device)
-    window_start = None
-    for epoch in range(cfg.epochs):
+    for epoch in range(start_epoch, cfg.epochs):
         set_epoch(train_loader, epoch)
         model.train()
         if cfg.freeze_bn:
@@ -168,8 +177,8 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, *, backwa
                     module.eval()
         _sync(device)
         epoch_start = time.perf_counter()
-        if window_start is None and m.steps >= cfg.timing_warmup_steps:
-            window_start, window_steps0 = epoch_start, m.steps
+        # the throughput window: this epoch from its start, or from the step that ends the timing warm-up
+        seg_start, seg_steps0 = (epoch_start, m.steps) if m.steps >= cfg.timing_warmup_steps else (None, 0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         correct = torch.zeros((), dtype=torch.int64, device=device)
         seen, epoch_steps, micro = 0, 0, 0
@@ -192,33 +201,41 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, *, backwa
             step()
             m.steps += 1
             epoch_steps += 1
-            if window_start is None and m.steps == cfg.timing_warmup_steps:
+            if seg_start is None and m.steps == cfg.timing_warmup_steps:
                 _sync(device)
-                window_start, window_steps0 = time.perf_counter(), m.steps
+                seg_start, seg_steps0 = time.perf_counter(), m.steps
             if cfg.log_every and epoch_steps % cfg.log_every == 0:
                 _check_finite(streak, cfg)
                 if rank0:
-                    rate = ""
-                    if window_start is not None and m.steps > window_steps0:
-                        rate = f" img_s={(m.steps - window_steps0) * cfg.batch_size / (time.perf_counter() - window_start):.1f}"
+                    done = window_steps + (m.steps - seg_steps0 if seg_start is not None else 0)
+                    spent = window_time + (time.perf_counter() - seg_start if seg_start is not None else 0.0)
+                    rate = f" img_s={done * cfg.batch_size / spent:.1f}" if done and spent > 0 else ""
                     print(f"[progress] epoch={epoch + 1}/{cfg.epochs} step={epoch_steps}/{spe} "
                           f"loss={loss_d.item():.4f}{rate}", flush=True)
             if epoch_steps >= spe:
                 break
         _sync(device)
-        m.train_time_s += time.perf_counter() - epoch_start
+        epoch_end = time.perf_counter()
+        m.train_time_s += epoch_end - epoch_start
+        if seg_start is not None:
+            window_time += epoch_end - seg_start
+            window_steps += m.steps - seg_steps0
         _check_finite(streak, cfg)
         stats = all_reduce(torch.stack([loss_sum, correct.double(), torch.tensor(float(seen), dtype=torch.float64,
                                                                                     device=device)]))
         m.train_loss, m.train_accuracy = (stats[0] / stats[2]).item(), (stats[1] / stats[2]).item()
-    window_end = time.perf_counter()
+        if checkpointer is not None and cfg.epoch_checkpoints:
+            checkpointer.save(epoch + 1, {"epoch": epoch + 1, "steps": m.steps, "train_time_s": m.train_time_s,
+                                          "window_time": window_time, "window_steps": window_steps,
+                                          "train_loss": m.train_loss, "train_accuracy": m.train_accuracy})
     m.probes = probes.stop()
-    if window_start is not None and m.steps > window_steps0:
-        m.timed_steps = m.steps - window_steps0
-        # epochs run back to back and evaluation comes after the last one: only training is inside
-        m.throughput_img_s = m.timed_steps * cfg.batch_size / (window_end - window_start)
-    else:
+    if window_steps:
+        m.timed_steps = window_steps
+        m.throughput_img_s = window_steps * cfg.batch_size / window_time
+    else:  # shorter than the timing warm-up: the whole training time
         m.throughput_img_s = m.steps * cfg.batch_size / m.train_time_s if m.train_time_s else 0.0
+    if start_epoch == cfg.epochs and saved is not None:  # resumed after the last epoch: nothing left to train
+        m.train_loss, m.train_accuracy = saved["train_loss"], saved["train_accuracy"]
     m.test_accuracy, m.test_samples = (eval_fn or evaluate)(model, test_loader, ctx=ctx, device=device,
                                                            input_dtype=input_dtype, channels_last=cfg.channels_last)
     return m

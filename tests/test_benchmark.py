@@ -3,11 +3,10 @@ import os
 import subprocess
 import sys
 
-import pytest
+from conftest import ROOT, rows
 
 from common.report import write_report
 from common.results import append_row
-from conftest import ROOT, rows
 
 TRAINING_SCRIPTS = ["pytorch_SingleGPU.py", "pytorch_half_precision.py", "pytorch_auto_mixed_precision.py",
                     "pytorch_DP.py", "pytorch_DDP.py", "pytorch_DDP_ZeRO.py", "pytorch_FSDP.py",

@@ -1,7 +1,7 @@
 import pytest
+from conftest import one_line_error, rows, run, tiny_args
 
 from common.config import TrainConfig, UsageError, parse_config
-from conftest import one_line_error, rows, run, tiny_args
 
 
 def write(tmp_path, text):

@@ -11,7 +11,6 @@ about lr x |grad| ~ 1e-2, a hundred times more, so the test still catches it.
 """
 import pytest
 import torch
-
 from conftest import check_ok, rows, run, tiny_args
 
 TOLERANCE = 1e-4

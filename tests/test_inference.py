@@ -8,7 +8,6 @@ wrong export (missing normalization, wrong layout, dropped layer) moves them by 
 import pytest
 import torch
 import torchvision
-
 from conftest import check_ok, one_line_error, rows, run, tiny_args
 
 MAX_DIFF = 1e-3

@@ -1,13 +1,12 @@
 """Every training script end to end on CPU: one valid row, loadable weights, clear refusals."""
 import math
-import os
 
 import pytest
 import torch
 import torchvision
+from conftest import check_ok, one_line_error, rows, run, tiny_args
 
 from common.results import COLUMNS
-from conftest import check_ok, one_line_error, rows, run, tiny_args
 
 SINGLE = ["pytorch_SingleGPU.py", "pytorch_DP.py"]
 MULTI = ["pytorch_DDP.py", "pytorch_DDP_ZeRO.py", "pytorch_FSDP.py", "accelerate_DDP.py", "accelerate_DeepSpeed.py",
@@ -120,3 +119,13 @@ def test_ddp_grad_accum_learns(tmp_path):
     check_ok(run("pytorch_DDP.py", args, nproc=2, launcher="torchrun"))
     (row,) = rows(tmp_path / "summary.csv")
     assert row["grad_accum"] == "2" and int(row["steps"]) == 32 and float(row["test_accuracy"]) > 0.3, row
+
+
+def test_compile_time_kept_apart_and_same_training(tmp_path):
+    plain, compiled = tmp_path / "plain", tmp_path / "compiled"
+    check_ok(run("pytorch_SingleGPU.py", tiny_args(plain)))
+    check_ok(run("pytorch_SingleGPU.py", tiny_args(compiled, compile=True), timeout=600))
+    (a,), (b,) = rows(plain / "summary.csv"), rows(compiled / "summary.csv")
+    assert a["compile_time_s"] == "" and float(b["compile_time_s"]) > float(b["train_time_s"])
+    # the compile warm-up step leaves no trace: same start, same updates (up to kernel rounding)
+    assert abs(float(a["train_loss"]) - float(b["train_loss"])) < 1e-3

@@ -1,0 +1,201 @@
+"""Resumable training state, written after every epoch into <save_dir>/<script>/resume/.
+
+Layout: resume/epoch<N>/ holds one epoch's state; resume/latest names the newest complete one.
+A new epoch is written into epoch<N>.tmp/, renamed when every rank has finished, and only then
+does `latest` (replaced atomically) point at it: a kill at any moment leaves the previous state
+intact. What goes in: model and optimizer in the strategy's native form (plain state_dicts; the
+consolidated ZeRO optimizer; torch.distributed.checkpoint shards for FSDP; DeepSpeed's own
+save_checkpoint; accelerate's save_state), the scheduler, the GradScaler, every rank's RNG states
+(torch, CUDA, numpy, random, the DataLoader generator) and the run's counters. The sampler needs no
+state: DistributedSampler.set_epoch(epoch) makes each epoch's order a function of the epoch alone.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .config import TrainConfig, UsageError
+from .distributed import barrier, global_rank
+
+
+def _rng_state(loader) -> dict:
+    gen = getattr(loader, "generator", None)
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "loader": gen.get_state() if isinstance(gen, torch.Generator) else None}
+
+
+def _set_rng_state(state: dict, loader) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["random"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    gen = getattr(loader, "generator", None)
+    if state["loader"] is not None and isinstance(gen, torch.Generator):
+        gen.set_state(state["loader"])
+
+
+def _load(path: str):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise UsageError(f"resume checkpoint is incomplete: {path} is missing") from None
+    except Exception as exc:
+        raise UsageError(f"resume checkpoint {path} is corrupt ({type(exc).__name__}); "
+                         f"delete it or start without --resume") from None
+
+
+class Checkpointer:
+    """Plain model/optimizer state_dicts written by rank 0 (single device, DataParallel, DDP)."""
+
+    def __init__(self, cfg: TrainConfig, script: str, model, optimizer, scheduler=None, scaler=None,
+                 train_loader=None):
+        self.root = os.path.join(cfg.save_dir, os.path.splitext(os.path.basename(script))[0], "resume")
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.loader = train_loader
+        self.loaded_from = None
+
+    # --- the strategy-specific part: override these two ---
+    def save_native(self, folder: str) -> None:
+        module = getattr(self.model, "module", self.model)
+        optimizer_state = self.optimizer.state_dict()
+        if global_rank() == 0:
+            torch.save({"model": module.state_dict(), "optimizer": optimizer_state}, os.path.join(folder, "native.pt"))
+
+    def load_native(self, folder: str) -> None:
+        state = _load(os.path.join(folder, "native.pt"))
+        getattr(self.model, "module", self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    # --- shared ---
+    def describe(self) -> str:
+        return self.loaded_from or self.root
+
+    def save(self, epoch: int, meta: dict) -> None:
+        final = os.path.join(self.root, f"epoch{epoch}")
+        tmp = final + ".tmp"
+        if global_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        barrier()
+        self.save_native(tmp)
+        torch.save(_rng_state(self.loader), os.path.join(tmp, f"rng_rank{global_rank()}.pt"))
+        if global_rank() == 0:
+            torch.save({"meta": meta, "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                        "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                        "world_size": dist.get_world_size() if dist.is_initialized() else 1},
+                       os.path.join(tmp, "run.pt"))
+        barrier()
+        if global_rank() == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            with open(os.path.join(self.root, "latest.tmp"), "w") as fh:
+                fh.write(f"epoch{epoch}\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(os.path.join(self.root, "latest.tmp"), os.path.join(self.root, "latest"))
+            for name in os.listdir(self.root):  # keep only the newest complete epoch
+                if name.startswith("epoch") and name != f"epoch{epoch}":
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        barrier()
+
+    def _folder(self, resume: str) -> str | None:
+        if resume == "auto":
+            pointer = os.path.join(self.root, "latest")
+            if not os.path.exists(pointer):
+                return None
+            with open(pointer) as fh:
+                return os.path.join(self.root, fh.read().strip())
+        folder = resume
+        if os.path.isfile(os.path.join(folder, "latest")):
+            with open(os.path.join(folder, "latest")) as fh:
+                folder = os.path.join(folder, fh.read().strip())
+        if not os.path.isfile(os.path.join(folder, "run.pt")):
+            raise UsageError(f"--resume {resume}: no checkpoint there (expected a resume/ folder or one of its "
+                             f"epoch<N>/ folders)")
+        return folder
+
+    def load(self, resume: str) -> dict | None:
+        folder = self._folder(resume)
+        if folder is None:
+            if global_rank() == 0:
+                print(f"--resume auto: no checkpoint in {self.root}, starting from scratch", flush=True)
+            return None
+        run = _load(os.path.join(folder, "run.pt"))
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if run["world_size"] != world:
+            raise UsageError(f"checkpoint {folder} was written by {run['world_size']} processes, this run has "
+                             f"{world}: resume with the same world size")
+        self.load_native(folder)
+        if self.scheduler is not None and run["scheduler"] is not None:
+            self.scheduler.load_state_dict(run["scheduler"])
+        if self.scaler is not None and run["scaler"] is not None:
+            self.scaler.load_state_dict(run["scaler"])
+        _set_rng_state(_load(os.path.join(folder, f"rng_rank{global_rank()}.pt")), self.loader)
+        self.loaded_from = folder
+        return run["meta"]
+
+
+class ZeroCheckpointer(Checkpointer):
+    """ZeroRedundancyOptimizer: each rank holds a shard; consolidated onto rank 0 before saving."""
+
+    def save_native(self, folder: str) -> None:
+        self.optimizer.consolidate_state_dict(to=0)
+        if global_rank() == 0:
+            torch.save({"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict()},
+                       os.path.join(folder, "native.pt"))
+
+
+class DCPCheckpointer(Checkpointer):
+    """FSDP2: every rank writes its own shards with torch.distributed.checkpoint."""
+
+    def save_native(self, folder: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(folder, "dcp"))
+
+    def load_native(self, folder: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        try:
+            dcp.load(state, checkpoint_id=os.path.join(folder, "dcp"))
+        except Exception as exc:
+            raise UsageError(f"FSDP checkpoint {folder}/dcp cannot be read ({type(exc).__name__})") from None
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+class DeepSpeedCheckpointer(Checkpointer):
+    """DeepSpeed's own save_checkpoint/load_checkpoint (engine, ZeRO shards, its loss scaler, the scheduler)."""
+
+    def save_native(self, folder: str) -> None:
+        self.model.save_checkpoint(folder, tag="state")
+
+    def load_native(self, folder: str) -> None:
+        path, _ = self.model.load_checkpoint(folder, tag="state")
+        if path is None:
+            raise UsageError(f"DeepSpeed checkpoint {folder} cannot be read")
+
+
+class AccelerateCheckpointer(Checkpointer):
+    """accelerate's save_state/load_state (model, optimizer, scaler, RNG of the prepared objects)."""
+
+    def __init__(self, *args, accelerator, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.accelerator = accelerator
+
+    def save_native(self, folder: str) -> None:
+        self.accelerator.save_state(os.path.join(folder, "accelerate"))
+
+    def load_native(self, folder: str) -> None:
+        self.accelerator.load_state(os.path.join(folder, "accelerate"))

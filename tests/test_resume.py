@@ -1,0 +1,92 @@
+"""Kill -9 in the middle of a run, resume with --resume auto: same final loss and accuracy as a run
+that was never interrupted, and one CSV row for the run, marked resumed."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import BIN, ROOT, check_ok, free_port, one_line_error, rows, run, tiny_args
+
+CASES = [("pytorch_SingleGPU.py", 1), ("accelerate_DeepSpeed.py", 2),
+         ("pytorch_DDP_ZeRO.py", 2), ("pytorch_FSDP.py", 2), ("pytorch_DeepSpeed.py", 2)]
+
+
+def args(tmp_path, script):
+    extra = {"precision": "bf16"} if "mixed" in script else {}
+    return tiny_args(tmp_path, epochs=4, train_samples=160, **extra)
+
+
+def start(script, argv, nproc):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, script] if nproc == 1 else \
+        [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), script]
+    return subprocess.Popen(cmd + argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True, text=True)
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and every process below it: torchrun starts its workers in sessions of their own, so
+    killing torchrun's process group would leave them training."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def kill_all(proc) -> None:
+    for pid in descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+@pytest.mark.parametrize("script, nproc", CASES)
+def test_kill_and_resume_matches_uninterrupted(tmp_path, script, nproc):
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    launcher = "python" if nproc == 1 else "torchrun"
+    check_ok(run(script, args(ref, script), nproc=nproc, launcher=launcher))
+    (expected,) = rows(ref / "summary.csv")
+
+    proc = start(script, args(cut, script) + ["--resume", "auto"], nproc)
+    latest = cut / "ckpt" / script[:-3] / "resume" / "latest"
+    deadline = time.time() + 240
+    while not latest.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, "finished before it could be killed: " + proc.stderr.read()[-2000:]
+    kill_all(proc)  # SIGKILL, mid-run, somewhere after the first epoch's checkpoint
+    assert rows(cut / "summary.csv") == []  # a killed run leaves no row
+
+    proc2 = run(script, args(cut, script) + ["--resume", "auto"], nproc=nproc, launcher=launcher)
+    check_ok(proc2)
+    assert "resumed after epoch" in proc2.stdout
+    (got,) = rows(cut / "summary.csv")
+    assert got["resumed"] == "True" and got["status"] == "ok" and got["steps"] == expected["steps"]
+    assert float(got["train_loss"]) == pytest.approx(float(expected["train_loss"]), abs=1e-5)
+    assert got["test_accuracy"] == expected["test_accuracy"]
+
+
+def test_resume_path_missing_or_corrupt(tmp_path):
+    proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path, resume=str(tmp_path / "nowhere")))
+    assert "no checkpoint there" in one_line_error(proc)
+    check_ok(run("pytorch_SingleGPU.py", tiny_args(tmp_path, epochs=1)))
+    folder = tmp_path / "ckpt" / "pytorch_SingleGPU" / "resume" / "epoch1"
+    (folder / "native.pt").write_bytes(b"truncated")
+    proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path, resume="auto", epochs=2))
+    assert "is corrupt" in one_line_error(proc)
+    assert len(rows(tmp_path / "summary.csv")) == 1  # only the first, complete run
