@@ -24,6 +24,7 @@ from .distributed import barrier, global_rank
 
 
 def _rng_state(loader) -> dict:
+    """This process's random state: Python, NumPy, torch (CPU and CUDA) and the DataLoader's generator."""
     gen = getattr(loader, "generator", None)
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,

@@ -245,8 +245,11 @@ def compile_model(model: nn.Module, train_loader, ctx, device, input_dtype, chan
     """torch.compile, then one forward+backward on a real batch so that compilation happens here and
     not in the timed loop. Gradients are dropped and BatchNorm statistics restored: training starts
     from exactly the state it would have had without compiling."""
+    from .checkpoint import _rng_state, _set_rng_state
+
     compiled = torch.compile(model)
     buffers = {k: v.clone() for k, v in model.state_dict().items() if not isinstance(v, nn.Parameter)}
+    rng = _rng_state(train_loader)  # drawing a batch advances the augmentation RNG: put it back after
     x, y = next(iter(train_loader))
     x, y = _to_device(x, y, device, input_dtype, channels_last)
     model.train()
@@ -263,6 +266,7 @@ def compile_model(model: nn.Module, train_loader, ctx, device, input_dtype, chan
         for k, v in model.state_dict().items():
             if k in buffers:
                 v.copy_(buffers[k])
+    _set_rng_state(rng, train_loader)
     return compiled, elapsed
 
 
