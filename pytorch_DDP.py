@@ -42,7 +42,7 @@ class DDPConfig(TrainConfig):
 
 
 def main(cfg):
-    info = init_distributed(cfg)
+    info = init_distributed(cfg, standalone_group=True)
     rank, world_size, device = info.rank, info.world_size, info.device
     configure_backends(cfg, device)
     check_dtype_support(cfg.precision, device)

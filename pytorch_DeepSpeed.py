@@ -54,7 +54,7 @@ class DeepSpeedConfig(TrainConfig):
 
 
 def main(cfg):
-    info = init_distributed(cfg)
+    info = init_distributed(cfg, standalone_group=True)
     rank, world_size, device = info.rank, info.world_size, info.device
     configure_backends(cfg, device)
     if cfg.compile:

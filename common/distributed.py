@@ -37,11 +37,20 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(cfg: TrainConfig) -> DistInfo:
+def init_distributed(cfg: TrainConfig, standalone_group: bool = False) -> DistInfo:
     """Joins the process group the launcher describes. Started with plain python (no RANK/WORLD_SIZE),
-    the script runs as a world of one."""
+    the script runs as a world of one: with standalone_group (the distributed scripts) inside a real
+    one-process group, so DDP/ZeRO/FSDP/DeepSpeed run unchanged and their overhead can be measured."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return DistInfo(0, 0, 1, pick_device(cfg))
+        if not standalone_group:
+            return DistInfo(0, 0, 1, pick_device(cfg))
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg, local_rank)

@@ -1,0 +1,65 @@
+"""Failure paths of every run: a row with the right status, or one line and nothing written."""
+import sys
+
+import pytest
+import torch
+
+from common import runner
+from common.results import COLUMNS
+from conftest import check_ok, one_line_error, rows, run, tiny_args
+
+
+def run_launch(monkeypatch, tmp_path, main):
+    monkeypatch.setattr(sys, "argv", ["x.py", "--results", str(tmp_path / "s.csv"), "--model", "resnet18",
+                                      "--batch-size", "64"])
+    with pytest.raises(SystemExit) as exc:
+        runner.launch(main, "pytorch_SingleGPU.py", strategy="single")
+    return exc.value.code, rows(tmp_path / "s.csv")
+
+
+def test_out_of_memory_is_a_row_and_exit_4(monkeypatch, tmp_path, capsys):
+    def main(cfg):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    code, got = run_launch(monkeypatch, tmp_path, main)
+    assert code == 4 and len(got) == 1 and got[0]["status"] == "oom" and got[0]["global_batch_size"] == "64"
+    assert "out of memory at global batch 64" in capsys.readouterr().err
+
+
+def test_unexpected_failure_is_a_failed_row(monkeypatch, tmp_path):
+    def main(cfg):
+        raise RuntimeError("NCCL watchdog timeout")
+    code, got = run_launch(monkeypatch, tmp_path, main)
+    assert code == 1 and got[0]["status"] == "failed" and "NCCL watchdog timeout" in got[0]["error"]
+
+
+def test_divergence_stops_the_run_with_a_row(tmp_path):
+    proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path, lr=1e30, max_nonfinite_steps=2, log_every=1))
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr
+    (row,) = rows(tmp_path / "summary.csv")
+    assert row["status"] == "diverged" and "non-finite" in row["error"]
+
+
+def test_foreign_summary_csv_is_refused_before_training_and_kept(tmp_path):
+    path = tmp_path / "summary.csv"
+    path.write_text("name,score\nalice,3\n")
+    proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path))
+    assert "has another header" in one_line_error(proc)
+    assert path.read_text() == "name,score\nalice,3\n"
+    assert not (tmp_path / "ckpt").exists()  # refused before any training
+
+
+def test_distributed_script_without_launcher_runs_as_world_of_one(tmp_path):
+    check_ok(run("pytorch_DDP.py", tiny_args(tmp_path)))
+    (row,) = rows(tmp_path / "summary.csv")
+    assert row["world_size"] == "1" and row["status"] == "ok" and list(row) == COLUMNS
+
+
+def test_cifar_missing_offline_through_the_script(tmp_path):
+    args = [a for a in tiny_args(tmp_path) if a != "synthetic"]
+    args[args.index("--dataset") + 1:args.index("--dataset") + 1] = ["cifar10"]
+    proc = run("pytorch_SingleGPU.py", args + ["--data-dir", str(tmp_path / "nodata")],
+               env={"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+                    "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"})
+    line = one_line_error(proc)
+    assert "cifar-10-batches-py" in line and "--dataset synthetic" in line
+    assert rows(tmp_path / "summary.csv") == []
