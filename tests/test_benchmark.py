@@ -87,3 +87,17 @@ def test_report_of_an_empty_or_missing_csv(tmp_path):
 def test_unknown_preset_one_line(tmp_path):
     proc = bench(tmp_path, "--preset", "nope")
     assert proc.returncode == 2 and "unknown preset 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("cmd", [
+    ["benchmarks/loader_throughput.py", "--image-size", "64", "--batch-size", "8", "--workers", "0", "--batches", "3",
+     "--warmup", "1"],
+    ["benchmarks/profile_step.py", "--model", "resnet18", "--image-size", "32", "--batch-size", "8", "--steps", "2",
+     "--workers", "0"],
+    ["benchmarks/loop_overhead.py", "--steps", "3", "--warmup", "1", "--rounds", "1", "--batch-size", "8"],
+])
+def test_benchmark_tools_run(cmd):
+    """They run and print their figure (no timing is asserted: measuring is their job, not the tests')."""
+    proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "img/s" in proc.stdout or "ratio fit/bare" in proc.stdout
