@@ -52,7 +52,8 @@ def main(cfg):
         raise UsageError("--compile is not wired for DeepSpeed engines here (DeepSpeed has its own compile config)")
     if cfg.grad_accum != 1:
         raise UsageError("--grad-accum: DeepSpeed accumulates inside its engine; this script runs 1")
-    info = init_distributed(cfg, standalone_group=True)  # torch.distributed first: the rank and world every metric relies on
+    # torch.distributed first: the rank and world every metric relies on
+    info = init_distributed(cfg, standalone_group=True)
     world_size = info.world_size
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", cfg.deepspeed_config)
     ds_config, precision = resolve_ds_config(cfg, path, world_size, per_rank_batch(cfg, world_size))
