@@ -58,9 +58,22 @@ def test_onnx_parity(trained, tmp_path):
     (lambda p: torch.save({"epoch": 3}, p), "is not a plain state_dict"),
     (lambda p: torch.save(torchvision.models.resnet34(num_classes=10).state_dict(), p), "does not fit --model resnet18"),
     (lambda p: torch.save(torchvision.models.resnet18().state_dict(), p), "another class count"),
-    (None, "checkpoint not found"),
 ])
 def test_bad_checkpoints(tmp_path, make, words):
+    from common.config import TrainConfig, UsageError
+    from model_inference import load_checkpoint
+
+    path = tmp_path / "model_final.pt"
+    make(path)
+    with pytest.raises(UsageError, match=words):
+        load_checkpoint(str(path), TrainConfig(model="resnet18", pretrained=False))
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p: p.write_bytes(b"garbage bytes"), "is not a PyTorch checkpoint"),
+    (None, "checkpoint not found"),
+])
+def test_bad_checkpoint_one_line_no_row(tmp_path, make, words):
     path = tmp_path / "model_final.pt"
     if make:
         make(path)

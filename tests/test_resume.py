@@ -16,7 +16,7 @@ CASES = [("pytorch_SingleGPU.py", 1), ("accelerate_DeepSpeed.py", 2),
 
 def args(tmp_path, script):
     extra = {"precision": "bf16"} if "mixed" in script else {}
-    return tiny_args(tmp_path, epochs=4, train_samples=160, **extra)
+    return tiny_args(tmp_path, epochs=4, train_samples=128, **extra)
 
 
 def start(script, argv, nproc):
