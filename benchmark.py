@@ -97,7 +97,9 @@ def flags(args: dict) -> list[str]:
 def command(run: dict, gpus: int, results: str) -> tuple[list[str], int]:
     script, bindir = run["script"], os.path.dirname(sys.executable)
     nproc = max(gpus, 1) if gpus else 2
-    args = flags({**run["args"], "results": results, "run_name": run["name"]})
+    # "{world}" in a value is the process count: per-GPU batch 1 is batch_size: "{world}"
+    values = {k: v.format(world=nproc) if isinstance(v, str) else v for k, v in run["args"].items()}
+    args = flags({**values, "results": results, "run_name": run["name"]})
     if script not in DISTRIBUTED:
         return [sys.executable, script] + args, (max(gpus, 1) if script == "pytorch_DP.py" else 1)
     port = str(free_port())

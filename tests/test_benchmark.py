@@ -103,3 +103,15 @@ def test_benchmark_tools_run(cmd):
     proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "img/s" in proc.stdout or "ratio fit/bare" in proc.stdout
+
+
+def test_seed_preset_commands(tmp_path):
+    """The articles' matrix, printed not run: launchers, process count and per-GPU batch-1 runs."""
+    proc = bench(tmp_path, "--preset", "seed", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ".py" in ln and "--run-name" in ln]
+    assert len(lines) == 16
+    fsdp1 = next(ln for ln in lines if "seed/fsdp_batch1" in ln)
+    assert "torchrun --nproc_per_node 2" in fsdp1 and "--batch-size 2 " in fsdp1  # 1 image per process
+    assert any("deepspeed --num_gpus 2" in ln and "pytorch_DeepSpeed.py" in ln for ln in lines)
+    assert all("--pretrained" in ln and "--dataset cifar10" in ln for ln in lines)
