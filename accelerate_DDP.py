@@ -12,7 +12,7 @@ articles' repository counted 10112 test samples instead of 10000). On CPU, use t
 """
 from contextlib import nullcontext
 
-from accelerate import Accelerator
+from accelerate import Accelerator, DistributedType
 
 from common import (
     AccelerateCheckpointer,
@@ -33,6 +33,8 @@ from common.accel import accelerate_precision, check_world, make_gather_eval
 def main(cfg):
     accelerator = Accelerator(cpu=pick_device(cfg).type == "cpu", mixed_precision=accelerate_precision(cfg))
     rank, world_size = check_world(accelerator)
+    if world_size > 1 and accelerator.distributed_type not in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
+        raise RuntimeError(f"accelerate chose {accelerator.distributed_type}, not DDP")
     device = accelerator.device
     configure_backends(cfg, device)
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)  # sharded by torch.distributed

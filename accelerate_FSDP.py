@@ -7,13 +7,14 @@
 
 Shows the articles' accelerate FSDP run against pytorch_FSDP.py's hand-written fully_shard. Started
 without `accelerate launch`, the script builds the plugin itself: FSDP2, full shard, each ResNet
-block a unit (transformer-style wrap by class name). accelerate's FSDP needs CUDA devices: on CPU it
+block a unit (transformer-style wrap by class name). accelerate's FSDP needs CUDA devices: on CPU
+accelerate silently drops the plugin (DistributedType.NO, every rank training alone), so the script
 refuses in one line (pytorch_FSDP.py runs FSDP2 on CPU over gloo).
 """
 import os
 from contextlib import nullcontext
 
-from accelerate import Accelerator, FullyShardedDataParallelPlugin
+from accelerate import Accelerator, DistributedType, FullyShardedDataParallelPlugin
 
 from common import (
     AccelerateCheckpointer,
@@ -40,6 +41,8 @@ def main(cfg):
                                                 transformer_cls_names_to_wrap=["Bottleneck", "BasicBlock"],
                                                 state_dict_type="FULL_STATE_DICT")
     accelerator = Accelerator(mixed_precision=accelerate_precision(cfg), fsdp_plugin=plugin)
+    if accelerator.distributed_type != DistributedType.FSDP:  # never train unsharded under an FSDP label
+        raise RuntimeError(f"accelerate chose {accelerator.distributed_type}, not FSDP")
     rank, world_size = check_world(accelerator)
     device = accelerator.device
     configure_backends(cfg, device)
