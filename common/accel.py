@@ -59,5 +59,5 @@ def make_gather_eval(accelerator, world: int):
 
 def require_cuda(device: torch.device, what: str) -> None:
     if device.type != "cuda":
-        raise UsageError(f"{what} does not run on CPU in accelerate (it needs CUDA devices); "
-                         f"its CPU stand-in is pytorch_FSDP.py")
+        raise UsageError(f"{what} needs CUDA devices (on CPU accelerate drops the plugin and every rank "
+                         f"trains alone); for FSDP on CPU use pytorch_FSDP.py")

@@ -67,7 +67,7 @@ def init_distributed(cfg: TrainConfig, standalone_group: bool = False) -> DistIn
 
 def require_single_process(script: str) -> None:
     if launched_world_size() > 1:
-        raise UsageError(f"{script} trains on one device; start it with python, or use pytorch_DDP.py "
+        raise UsageError(f"{os.path.basename(script)} trains on one device; start it with python, or use pytorch_DDP.py "
                          f"for {launched_world_size()} processes")
 
 

@@ -90,7 +90,7 @@ def test_deepspeed_json_with_own_optimizer_is_refused(tmp_path):
 
 def test_accelerate_fsdp_refuses_cpu_in_one_line(tmp_path):
     proc = run("accelerate_FSDP.py", tiny_args(tmp_path))
-    assert "does not run on CPU" in one_line_error(proc)
+    assert "needs CUDA devices" in one_line_error(proc)
     assert rows(tmp_path / "summary.csv") == []
 
 
