@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 from accelerate import Accelerator, DeepSpeedPlugin, DistributedType  # noqa: E402
 
 from common import (  # noqa: E402
+    DTYPES,
     AccelerateCheckpointer,
     TrainConfig,
     UsageError,
@@ -65,7 +66,7 @@ def main(cfg):
     rank, world_size = check_world(accelerator)
     device = info.device
     configure_backends(cfg, device)
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    dtype = DTYPES[precision]
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)  # sharded by torch.distributed
 
     model = build_model(cfg).to(device)

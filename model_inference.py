@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common import TrainConfig, UsageError, build_loaders, build_model, configure_backends, opt, pick_device
+from common import DTYPES, TrainConfig, UsageError, build_loaders, build_model, configure_backends, opt, pick_device
 from common.results import append_row
 from common.runner import device_name, git_commit, launch_tool
 
@@ -145,7 +145,7 @@ def ort_session(path: str, device):
 def main(cfg):
     device = pick_device(cfg)
     configure_backends(cfg, device)
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.precision]
+    dtype = DTYPES[cfg.precision]
     _, test_loader = build_loaders(cfg, 0, 1, device)
     base = {"device": device.type, "device_name": device_name(device), "model": cfg.model,
             "image_size": cfg.image_size, "compile": cfg.compile, "channels_last": cfg.channels_last,

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (
+    DTYPES,
     Checkpointer,
     TrainConfig,
     UsageError,
@@ -46,7 +47,7 @@ def main(cfg):
     rank, world_size, device = info.rank, info.world_size, info.device
     configure_backends(cfg, device)
     check_dtype_support(cfg.precision, device)
-    dtype = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.precision]
+    dtype = DTYPES[cfg.precision]
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)
 
     model = build_model(cfg).to(device)
@@ -58,7 +59,7 @@ def main(cfg):
     optimizer = build_optimizer(cfg, model.parameters())
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    ctx = nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+    ctx = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
 
     def backward(loss):
         scaler.scale(loss).backward()
@@ -77,7 +78,7 @@ def main(cfg):
                   no_sync=model.no_sync,
                   checkpointer=Checkpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     save_final(model.module.state_dict(), cfg, __file__)
-    return metrics, {"precision": cfg.precision if dtype is None else f"amp_{cfg.precision}"}
+    return metrics, {"precision": cfg.precision if dtype == torch.float32 else f"amp_{cfg.precision}"}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (
+    DTYPES,
     TrainConfig,
     ZeroCheckpointer,
     build_loaders,
@@ -42,7 +43,7 @@ def main(cfg):
     rank, world_size, device = info.rank, info.world_size, info.device
     configure_backends(cfg, device)
     check_dtype_support(cfg.precision, device)
-    dtype = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.precision]
+    dtype = DTYPES[cfg.precision]
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)
 
     model = build_model(cfg).to(device)
@@ -51,7 +52,7 @@ def main(cfg):
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, **optimizer_kwargs)
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    ctx = nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+    ctx = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
 
     def backward(loss):
         scaler.scale(loss).backward()
@@ -72,7 +73,7 @@ def main(cfg):
     optimizer.consolidate_state_dict(to=0)  # a collective: every rank takes part, rank 0 receives
     if global_rank() == 0:
         torch.save(optimizer.state_dict(), path.replace("model_final.pt", "optimizer_final.pt"))
-    return metrics, {"precision": cfg.precision if dtype is None else f"amp_{cfg.precision}"}
+    return metrics, {"precision": cfg.precision if dtype == torch.float32 else f"amp_{cfg.precision}"}
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import deepspeed  # noqa: E402
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: E402
 
 from common import (  # noqa: E402
+    DTYPES,
     DeepSpeedCheckpointer,
     TrainConfig,
     UsageError,
@@ -66,7 +67,7 @@ def main(cfg):
     ds_config, precision = resolve_ds_config(cfg, cfg.deepspeed_config, world_size, per_rank_batch(cfg, world_size),
                                              cfg.offload)
     check_dtype_support(precision, device)
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    dtype = DTYPES[precision]
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)
 
     model = build_model(cfg).to(device)

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from common import (
+    DTYPES,
     DCPCheckpointer,
     TrainConfig,
     UsageError,
@@ -66,7 +67,7 @@ def main(cfg):
     check_dtype_support(cfg.precision, device)
     if cfg.cpu_offload and device.type != "cuda":
         raise UsageError("--cpu-offload moves sharded state from GPU to host memory: it needs CUDA devices")
-    dtype = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.precision]
+    dtype = DTYPES[cfg.precision]
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)
 
     model = build_model(cfg).to(device)
@@ -101,11 +102,11 @@ def main(cfg):
         scheduler.step()
 
     metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  input_dtype=dtype or torch.float32,
+                  input_dtype=dtype,
                   checkpointer=DCPCheckpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     save_final(full, cfg, __file__)  # a collective above; rank 0 alone holds and writes the full weights
-    return metrics, {"precision": f"{cfg.precision}" if dtype is None else f"mp_{cfg.precision}",
+    return metrics, {"precision": cfg.precision if dtype == torch.float32 else f"mp_{cfg.precision}",
                      "strategy": f"fsdp_{cfg.sharding}" + ("_offload" if cfg.cpu_offload else "")}
 
 

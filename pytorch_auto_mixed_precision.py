@@ -12,6 +12,7 @@ counted in the row's skipped_steps. On CPU bf16 and fp16 both run (fp16 slowly).
 import torch
 
 from common import (
+    DTYPES,
     Checkpointer,
     build_loaders,
     build_model,
@@ -34,7 +35,7 @@ def main(cfg):
     rank, world_size, device = info.rank, info.world_size, info.device
     configure_backends(cfg, device)
     check_dtype_support(cfg.precision, device)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.precision]
+    dtype = DTYPES[cfg.precision]
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)
 
     model = build_model(cfg).to(device)

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from common import (
+    DTYPES,
     Checkpointer,
     TrainConfig,
     build_loaders,
@@ -48,7 +49,7 @@ def main(cfg):
     rank, world_size, device = info.rank, info.world_size, info.device
     configure_backends(cfg, device)
     check_dtype_support(cfg.precision, device)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.precision]
+    dtype = DTYPES[cfg.precision]
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)
 
     model = build_model(cfg).to(device).to(dtype)  # weights, gradients and optimizer state all in half

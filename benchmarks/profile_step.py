@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.config import TrainConfig  # noqa: E402
 from common.data import build_loaders  # noqa: E402
 from common.models import build_model  # noqa: E402
-from common.train import build_optimizer, configure_backends  # noqa: E402
+from common.train import DTYPES, build_optimizer, configure_backends  # noqa: E402
 
 
 def main():
@@ -46,8 +46,8 @@ def main():
     train, _ = build_loaders(cfg, 0, 1, device)
     model = build_model(cfg).to(device)
     opt = build_optimizer(cfg, model.parameters())
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(a.precision)
-    ctx = nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+    dtype = DTYPES[a.precision]
+    ctx = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     it = iter(train)

@@ -6,6 +6,7 @@ from .distributed import DistInfo, barrier, cleanup, global_rank, init_distribut
 from .models import build_model
 from .runner import launch
 from .train import (
+                         DTYPES,
                          Metrics,
                          build_optimizer,
                          build_scheduler,
@@ -22,6 +23,6 @@ __all__ = [
     "AccelerateCheckpointer", "Checkpointer", "DCPCheckpointer", "DeepSpeedCheckpointer", "ZeroCheckpointer",
     "global_rank", "TrainConfig", "UsageError", "opt", "parse_config", "build_loaders", "per_rank_batch",
     "DistInfo", "barrier", "cleanup", "init_distributed", "pick_device", "require_single_process", "build_model",
-    "launch", "Metrics", "build_optimizer", "build_scheduler", "check_dtype_support", "configure_backends",
+    "launch", "DTYPES", "Metrics", "build_optimizer", "build_scheduler", "check_dtype_support", "configure_backends",
     "evaluate", "fit", "optimizer_spec", "save_final", "steps_per_epoch",
 ]

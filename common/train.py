@@ -49,6 +49,9 @@ def configure_backends(cfg: TrainConfig, device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = cfg.tf32
 
 
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # --precision -> torch dtype
+
+
 def check_dtype_support(precision: str, device: torch.device) -> None:
     """bf16 needs compute capability 8.0 (Ampere); fp16 arithmetic 5.3, tensor cores 7.0 (the
     articles' P40 is 6.1: fp16 runs there, but no faster than fp32)."""
