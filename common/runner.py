@@ -107,7 +107,7 @@ def launch(main, script_file: str, strategy: str, precisions=("fp32",), cfg_cls=
         print(f"{script}: error: {exc}", file=sys.stderr)
         code = code or 2
     finally:
-        cleanup()
+        cleanup(wait_for_all=code == 0)
     if code:
         sys.exit(code)
 
