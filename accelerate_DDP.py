@@ -16,6 +16,8 @@ from accelerate import Accelerator, DistributedType
 
 from common import (
     AccelerateCheckpointer,
+    DistributedConfig,
+    TrainHooks,
     build_loaders,
     build_model,
     build_optimizer,
@@ -27,7 +29,7 @@ from common import (
     save_final,
     steps_per_epoch,
 )
-from common.accel import accelerate_precision, check_world, make_gather_eval
+from common.accel import AccelerateStep, accelerate_precision, check_world, make_gather_eval
 
 
 def main(cfg):
@@ -45,24 +47,17 @@ def main(cfg):
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
     model, optimizer = accelerator.prepare(model, optimizer)  # DDP wrap, autocast and GradScaler if fp16
     ctx = nullcontext()  # prepare() already wrapped forward in autocast when mixed precision is on
+    acc = AccelerateStep(cfg, accelerator, model, optimizer, scheduler)  # backward, clip, step, schedule
 
-    def backward(loss):
-        accelerator.backward(loss)
-
-    def step():
-        if cfg.clip_grad_norm:
-            accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-
-    metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  no_sync=lambda: accelerator.no_sync(model), eval_fn=make_gather_eval(accelerator, world_size),
-                  checkpointer=AccelerateCheckpointer(cfg, __file__, model, optimizer, scheduler, None, train_loader,
-                                                             accelerator=accelerator))
+    hooks = TrainHooks(acc.backward, acc.step, device, ctx=ctx, no_sync=lambda: accelerator.no_sync(model),
+                       evaluate=make_gather_eval(accelerator, world_size), skipped_steps=acc.skipped_steps,
+                       optimizer=optimizer)
+    metrics = fit(cfg, model, train_loader, test_loader, hooks,
+                  AccelerateCheckpointer(cfg, __file__, model, optimizer, scheduler, None, train_loader,
+                                         accelerator=accelerator))
     save_final(accelerator.get_state_dict(model), cfg, __file__)
     return metrics, {"precision": accelerator.mixed_precision if accelerator.mixed_precision != "no" else "fp32"}
 
 
 if __name__ == "__main__":
-    launch(main, __file__, strategy="accelerate_ddp", precisions=("fp32", "fp16", "bf16"))
+    launch(main, __file__, cfg_cls=DistributedConfig)

@@ -23,8 +23,8 @@ from accelerate import Accelerator, DeepSpeedPlugin, DistributedType  # noqa: E4
 from common import (  # noqa: E402
     DTYPES,
     AccelerateCheckpointer,
-    TrainConfig,
-    UsageError,
+    DistributedConfig,
+    TrainHooks,
     build_loaders,
     build_model,
     build_optimizer,
@@ -38,21 +38,18 @@ from common import (  # noqa: E402
     save_final,
     steps_per_epoch,
 )
-from common.accel import check_world, make_gather_eval  # noqa: E402
+from common.accel import AccelerateStep, check_world, make_gather_eval  # noqa: E402
 from common.deepspeed_config import resolve_ds_config  # noqa: E402
 
 
 @dataclass
-class AccelerateDeepSpeedConfig(TrainConfig):
+class AccelerateDeepSpeedConfig(DistributedConfig):
+    OMIT = ("compile", "grad_accum")  # DeepSpeed has its own compile config and accumulates inside its engine
     deepspeed_config: str = opt("config/zero_stage2_config.json", "DeepSpeed JSON when not set by the accelerate "
                                 "config's deepspeed_config_file")
 
 
 def main(cfg):
-    if cfg.compile:
-        raise UsageError("--compile is not wired for DeepSpeed engines here (DeepSpeed has its own compile config)")
-    if cfg.grad_accum != 1:
-        raise UsageError("--grad-accum: DeepSpeed accumulates inside its engine; this script runs 1")
     # torch.distributed first: the rank and world every metric relies on
     info = init_distributed(cfg, standalone_group=True)
     world_size = info.world_size
@@ -74,20 +71,16 @@ def main(cfg):
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
     # the DeepSpeed engine owns loss scaling, clipping, the step and zero_grad; the scheduler stays ours
     model, optimizer = accelerator.prepare(model, optimizer)
-    ctx = nullcontext()  # DeepSpeed casts the model for fp16/bf16; inputs follow (input_dtype)
+    ctx = nullcontext()  # DeepSpeed casts the parameters for fp16/bf16 (not BatchNorm's statistics: see models.py)
+    acc = AccelerateStep(cfg, accelerator, model, optimizer, scheduler)  # the engine clips; the schedule is ours
 
-    def backward(loss):
-        accelerator.backward(loss)
-
-    def step():
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-
-    metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  input_dtype=dtype, eval_fn=make_gather_eval(accelerator, world_size),
-                  checkpointer=AccelerateCheckpointer(cfg, __file__, model, optimizer, scheduler, None, train_loader,
-                                                             accelerator=accelerator))
+    hooks = TrainHooks(acc.backward, acc.step, device, ctx=ctx, input_dtype=dtype,
+                       evaluate=make_gather_eval(accelerator, world_size), optimizer=optimizer,
+                       skipped_steps=lambda: model.skipped_steps if precision == "fp16" else None)  # the engine's
+    # loss scaler skips overflowing fp16 steps itself
+    metrics = fit(cfg, model, train_loader, test_loader, hooks,
+                  AccelerateCheckpointer(cfg, __file__, model, optimizer, scheduler, None, train_loader,
+                                         accelerator=accelerator))
     state = accelerator.get_state_dict(model)  # a collective under ZeRO-3: every rank calls it
     save_final(state, cfg, __file__)
     stage = ds_config["zero_optimization"].get("stage", 0)
@@ -96,5 +89,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    launch(main, __file__, strategy="accelerate_deepspeed", precisions=("fp32", "fp16", "bf16"),
-           cfg_cls=AccelerateDeepSpeedConfig)
+    launch(main, __file__, cfg_cls=AccelerateDeepSpeedConfig)

@@ -1,23 +1,27 @@
-"""accelerate + FSDP: the sharding strategy lives in config/default_FSDP.yml.
+"""accelerate + FSDP2: the sharding strategy lives in config/default_FSDP.yml.
 
     accelerate launch --config_file config/default_FSDP.yml accelerate_FSDP.py
+    accelerate launch --config_file config/default_FSDP.yml --mixed_precision bf16 accelerate_FSDP.py
     accelerate launch --config_file config/default_FSDP.yml --num_machines 2 --machine_rank 0 \\
         --main_process_ip HOST0 --main_process_port 29500 accelerate_FSDP.py      # the same on each node
     torchrun --nproc_per_node 2 accelerate_FSDP.py            # GPUs, plugin built from the defaults below
 
-Shows the articles' accelerate FSDP run against pytorch_FSDP.py's hand-written fully_shard. Started
-without `accelerate launch`, the script builds the plugin itself: FSDP2, full shard, each ResNet
-block a unit (transformer-style wrap by class name). accelerate's FSDP needs CUDA devices: on CPU
-accelerate silently drops the plugin (DistributedType.NO, every rank training alone), so the script
-refuses in one line (pytorch_FSDP.py runs FSDP2 on CPU over gloo).
+Shows the articles' accelerate FSDP run against pytorch_FSDP.py's hand-written fully_shard. The
+units are the model's ResNet blocks, their class read from the model (Bottleneck for resnet50,
+BasicBlock for resnet18; naming one the model lacks makes accelerate raise). Started without
+`accelerate launch`, the script builds the plugin from the same defaults as the YAML: FSDP2, full
+shard, full state dict. accelerate's FSDP needs CUDA devices: on CPU accelerate silently drops the
+plugin (DistributedType.NO, every rank training alone), so the script refuses in one line
+(pytorch_FSDP.py runs FSDP2 on CPU over gloo).
 """
-import os
 from contextlib import nullcontext
 
-from accelerate import Accelerator, DistributedType, FullyShardedDataParallelPlugin
+from accelerate import Accelerator, DistributedType
 
 from common import (
     AccelerateCheckpointer,
+    DistributedConfig,
+    TrainHooks,
     build_loaders,
     build_model,
     build_optimizer,
@@ -29,50 +33,39 @@ from common import (
     save_final,
     steps_per_epoch,
 )
-from common.accel import accelerate_precision, check_world, make_gather_eval, require_cuda
+from common.accel import AccelerateStep, accelerate_precision, check_world, fsdp_plugin, make_gather_eval, require_cuda
+from common.distributed import local_rank
 
 
 def main(cfg):
-    require_cuda(pick_device(cfg), "accelerate's FSDP")
-    plugin = None
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":  # not under accelerate launch
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True,
-                                                auto_wrap_policy="transformer_based_wrap",
-                                                transformer_cls_names_to_wrap=["Bottleneck", "BasicBlock"],
-                                                state_dict_type="FULL_STATE_DICT")
-    accelerator = Accelerator(mixed_precision=accelerate_precision(cfg), fsdp_plugin=plugin)
+    device = pick_device(cfg, local_rank())
+    require_cuda(device, "accelerate's FSDP")
+    configure_backends(cfg, device)
+    model = build_model(cfg)  # before the plugin: the wrap classes come from the model
+    accelerator = Accelerator(mixed_precision=accelerate_precision(cfg), fsdp_plugin=fsdp_plugin(model))
     if accelerator.distributed_type != DistributedType.FSDP:  # never train unsharded under an FSDP label
         raise RuntimeError(f"accelerate chose {accelerator.distributed_type}, not FSDP")
     rank, world_size = check_world(accelerator)
     device = accelerator.device
-    configure_backends(cfg, device)
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)  # sharded by torch.distributed
 
-    model = build_model(cfg).to(device)
-    model = accelerator.prepare(model)  # FSDP wraps before the optimizer sees the (sharded) parameters
+    model = model.to(device)
     optimizer = build_optimizer(cfg, model.parameters())
     # not prepared: accelerate would step it num_processes times per optimizer step
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
-    optimizer = accelerator.prepare(optimizer)
-    ctx = nullcontext()  # prepare() already wrapped forward in autocast when mixed precision is on
+    # FSDP2 needs both at once: prepare() shards the model, then points the optimizer at the shards
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ctx = nullcontext()  # prepare() wrapped forward in autocast; the policy casts parameters, not BN statistics
+    acc = AccelerateStep(cfg, accelerator, model, optimizer, scheduler)  # backward, clip, step, schedule
 
-    def backward(loss):
-        accelerator.backward(loss)
-
-    def step():
-        if cfg.clip_grad_norm:
-            accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-
-    metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  eval_fn=make_gather_eval(accelerator, world_size),
-                  checkpointer=AccelerateCheckpointer(cfg, __file__, model, optimizer, scheduler, None, train_loader,
-                                                             accelerator=accelerator))
+    hooks = TrainHooks(acc.backward, acc.step, device, ctx=ctx, evaluate=make_gather_eval(accelerator, world_size),
+                       optimizer=optimizer)
+    metrics = fit(cfg, model, train_loader, test_loader, hooks,
+                  AccelerateCheckpointer(cfg, __file__, model, optimizer, scheduler, None, train_loader,
+                                         accelerator=accelerator))
     save_final(accelerator.get_state_dict(model), cfg, __file__)  # gathers the full weights on rank 0
     return metrics, {"precision": accelerator.mixed_precision if accelerator.mixed_precision != "no" else "fp32"}
 
 
 if __name__ == "__main__":
-    launch(main, __file__, strategy="accelerate_fsdp", precisions=("fp32", "fp16", "bf16"))
+    launch(main, __file__, cfg_cls=DistributedConfig)

@@ -14,6 +14,7 @@ top-1 agreement between the two on the test set. One row per backend in results/
 """
 from __future__ import annotations
 
+import copy
 import glob
 import os
 import time
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common import DTYPES, TrainConfig, UsageError, build_loaders, build_model, configure_backends, opt, pick_device
+from common import DTYPES, EvalConfig, UsageError, build_model, configure_backends, opt, pick_device
+from common.data import build_test_loader
+from common.distributed import synchronize
 from common.results import append_row
 from common.runner import device_name, git_commit, launch_tool
 
@@ -31,11 +34,14 @@ COLUMNS = ["timestamp", "checkpoint", "script", "backend", "precision", "batch_s
            # extras
            "device_name", "model", "image_size", "test_samples", "onnx_opset", "compile", "channels_last",
            "torch_version", "git_commit"]
+HISTORY: list[list[str]] = []  # earlier headers of inference.csv (none yet): upgraded in place if ever changed
 
 
 @dataclass
-class InferenceConfig(TrainConfig):
+class InferenceConfig(EvalConfig):
+    """inference"""
     checkpoint: str = opt("checkpoints", "a model_final.pt, or a folder searched for them")
+    batch_size: int = opt(256, "batch for the throughput measurement and for evaluation, images", min=1)
     onnx: bool = opt(False, "also export to ONNX, check it, and time onnxruntime with parity against PyTorch")
     onnx_opset: int = opt(18, "ONNX opset of the export", min=13)
     latency_iters: int = opt(50, "timed batch-1 calls for the latency percentiles", min=1)
@@ -62,7 +68,7 @@ def load_checkpoint(path: str, cfg) -> tuple[torch.nn.Module, str]:
         raise UsageError(f"{path} is not a PyTorch checkpoint ({type(exc).__name__})") from None
     if not isinstance(sd, dict) or not sd or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise UsageError(f"{path} is not a plain state_dict (model_final.pt holds name -> tensor)")
-    model = build_model(cfg)
+    model = build_model(cfg, pretrained=False)  # the weights come from the checkpoint, never from the internet
     expected = model.state_dict()
     missing, extra = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
     if missing or extra:
@@ -79,20 +85,15 @@ def load_checkpoint(path: str, cfg) -> tuple[torch.nn.Module, str]:
     return model, script
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_calls(fn, x, iters: int, warmup: int, device) -> list[float]:
     for _ in range(warmup):
         fn(x)
-    _sync(device)
+    synchronize(device)
     times = []
     for _ in range(iters):
         t = time.perf_counter()
         fn(x)
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t)
     return times
 
@@ -110,43 +111,73 @@ def measure(fn, cfg, device, dtype) -> dict:
 
 
 def predict(fn, loader, device, dtype, channels_last) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 CPU logits and labels of the valid test samples (the GPU loader's tensors, mask included,
+    live on the device: everything is brought to the CPU before indexing)."""
     logits, labels = [], []
     for x, y, valid in loader:
         x = x.to(device, dtype=dtype)
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        out = fn(x)
-        logits.append(torch.as_tensor(out).float().cpu()[valid])
-        labels.append(y[valid])
+        valid = torch.as_tensor(valid).cpu()
+        logits.append(torch.as_tensor(fn(x)).float().cpu()[valid])
+        labels.append(torch.as_tensor(y).cpu()[valid])
     return torch.cat(logits), torch.cat(labels)
 
 
 def export_onnx(model, cfg, path: str):
+    """Exports an fp32 CPU copy: the model being measured keeps its device and dtype."""
     import onnx
 
     x = torch.randn(2, 3, cfg.image_size, cfg.image_size)
     batch = torch.export.Dim("batch", min=1, max=65536)
-    torch.onnx.export(model.float().cpu().eval(), (x,), path, input_names=["images"], output_names=["logits"],
+    export = copy.deepcopy(model).float().cpu().eval()
+    torch.onnx.export(export, (x,), path, input_names=["images"], output_names=["logits"],
                       dynamic_shapes={"x": {0: batch}}, opset_version=cfg.onnx_opset, dynamo=True)
     onnx.checker.check_model(path)
     return path
 
 
 def ort_session(path: str, device):
+    """(session, provider, torch device its inputs and outputs live on)."""
     import onnxruntime as ort
 
     providers = ["CPUExecutionProvider"]
     if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
         providers.insert(0, "CUDAExecutionProvider")
     session = ort.InferenceSession(path, providers=providers)
-    return session, session.get_providers()[0]
+    provider = session.get_providers()[0]
+    return session, provider, device if provider == "CUDAExecutionProvider" else torch.device("cpu")
+
+
+def ort_runner(session, device: torch.device):
+    """A call of the session on a torch tensor that already lives on `device`, through IOBinding:
+    input and output stay in device memory, so the CUDA latency has no host copies in it (plain
+    session.run takes and returns numpy arrays, copying both ways). The outputs are synchronized
+    before the call returns, so the timer reads a finished inference."""
+    io = session.io_binding()
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    index = device.index or 0
+
+    def run(x: torch.Tensor):
+        x = x.float().contiguous()
+        io.bind_input("images", kind, index, np.float32, tuple(x.shape), x.data_ptr())
+        io.bind_output("logits", kind, index)
+        session.run_with_iobinding(io)
+        io.synchronize_outputs()
+        return io.get_outputs()[0]
+
+    def logits(x: torch.Tensor) -> np.ndarray:
+        run(x)
+        return io.copy_outputs_to_cpu()[0]
+
+    return run, logits
 
 
 def main(cfg):
     device = pick_device(cfg)
     configure_backends(cfg, device)
     dtype = DTYPES[cfg.precision]
-    _, test_loader = build_loaders(cfg, 0, 1, device)
+    test_loader = build_test_loader(cfg, 0, 1, device, cfg.batch_size)
     base = {"device": device.type, "device_name": device_name(device), "model": cfg.model,
             "image_size": cfg.image_size, "compile": cfg.compile, "channels_last": cfg.channels_last,
             "torch_version": torch.__version__, "git_commit": git_commit()}
@@ -164,24 +195,23 @@ def main(cfg):
         row = {**base, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "checkpoint": path,
                "script": script, "backend": "torch", "precision": cfg.precision, "batch_size": cfg.batch_size,
                "test_accuracy": round(acc, 6), "test_samples": len(labels), **measure(torch_fn, cfg, device, dtype)}
-        append_row(cfg.results, row, COLUMNS)
+        append_row(cfg.results, row, COLUMNS, HISTORY)
         print(f"  torch {cfg.precision}: accuracy {acc:.4f} on {len(labels)}, p50 {row['latency_ms_p50']:.2f} ms, "
               f"{row['throughput_img_s']:.1f} img/s at batch {cfg.batch_size}")
         if not cfg.onnx:
             continue
         onnx_path = export_onnx(model, cfg, os.path.splitext(path)[0] + ".onnx")
-        session, provider = ort_session(onnx_path, device)
-        ort_fn = lambda x: session.run(None, {"images": x.float().cpu().numpy()})[0]  # noqa: E731
-        ref, _ = predict(lambda x: torch_fn(x.to(dtype)), test_loader, device, torch.float32, False) \
-            if dtype != torch.float32 else (logits, labels)
-        ort_logits, _ = predict(ort_fn, test_loader, torch.device("cpu"), torch.float32, False)
+        session, provider, ort_device = ort_session(onnx_path, device)
+        ort_run, ort_logits_fn = ort_runner(session, ort_device)
+        ref = logits  # parity against the PyTorch model as measured (its precision, its device)
+        ort_logits, _ = predict(ort_logits_fn, test_loader, ort_device, torch.float32, False)
         ort_acc = (ort_logits.argmax(1) == labels).float().mean().item()
         row = {**row, "backend": f"onnxruntime:{provider}", "precision": "fp32", "onnx_opset": cfg.onnx_opset,
                "test_accuracy": round(ort_acc, 6),
                "max_abs_diff": float((ort_logits - ref).abs().max()),
                "top1_agreement": round((ort_logits.argmax(1) == ref.argmax(1)).float().mean().item(), 6),
-               **measure(ort_fn, cfg, torch.device("cpu"), torch.float32)}
-        append_row(cfg.results, row, COLUMNS)
+               **measure(ort_run, cfg, ort_device, torch.float32)}
+        append_row(cfg.results, row, COLUMNS, HISTORY)
         print(f"  onnxruntime ({provider}): accuracy {ort_acc:.4f}, max |logit diff| {row['max_abs_diff']:.2e}, "
               f"top-1 agreement {row['top1_agreement']:.4f}, p50 {row['latency_ms_p50']:.2f} ms, "
               f"{row['throughput_img_s']:.1f} img/s")
@@ -189,4 +219,4 @@ def main(cfg):
 
 if __name__ == "__main__":
     launch_tool(main, __file__, InferenceConfig, precisions=("fp32", "fp16", "bf16"),
-                results="results/inference.csv", batch_size=256)
+                results="results/inference.csv")

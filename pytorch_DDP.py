@@ -20,7 +20,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common import (
     DTYPES,
     Checkpointer,
-    TrainConfig,
+    DistributedConfig,
+    ScaledStep,
+    TrainHooks,
     UsageError,
     build_loaders,
     build_model,
@@ -38,7 +40,7 @@ from common import (
 
 
 @dataclass
-class DDPConfig(TrainConfig):
+class DDPConfig(DistributedConfig):
     sync_bn: bool = opt(False, "SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only)")
 
 
@@ -60,26 +62,16 @@ def main(cfg):
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     ctx = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
-
-    def backward(loss):
-        scaler.scale(loss).backward()
-
-    def step():
-        if cfg.clip_grad_norm:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+    scaled = ScaledStep(cfg, model, optimizer, scheduler, scaler)  # backward, clip, step, zero_grad, schedule
 
     # no_sync: accumulate micro-batches locally, all-reduce only on the last one
-    metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  no_sync=model.no_sync,
-                  checkpointer=Checkpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
+    hooks = TrainHooks(scaled.backward, scaled.step, device, ctx=ctx, no_sync=model.no_sync,
+                       skipped_steps=scaled.skipped_steps, optimizer=optimizer)
+    metrics = fit(cfg, model, train_loader, test_loader, hooks,
+                  Checkpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     save_final(model.module.state_dict(), cfg, __file__)
     return metrics, {"precision": cfg.precision if dtype == torch.float32 else f"amp_{cfg.precision}"}
 
 
 if __name__ == "__main__":
-    launch(main, __file__, strategy="ddp", precisions=("fp32", "fp16", "bf16"), cfg_cls=DDPConfig)
+    launch(main, __file__, cfg_cls=DDPConfig)

@@ -8,7 +8,6 @@ Shows ZeRO stage 1 in plain PyTorch: optimizer-state memory divided by the world
 and weights stay whole on every rank. The optimizer state is consolidated on rank 0 before it is saved.
 """
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -16,7 +15,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (
     DTYPES,
-    TrainConfig,
+    DistributedConfig,
+    ScaledStep,
+    TrainHooks,
     ZeroCheckpointer,
     build_loaders,
     build_model,
@@ -31,11 +32,6 @@ from common import (
     save_final,
     steps_per_epoch,
 )
-
-
-@dataclass
-class ZeROConfig(TrainConfig):
-    pass
 
 
 def main(cfg):
@@ -53,22 +49,12 @@ def main(cfg):
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     ctx = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    scaled = ScaledStep(cfg, model, optimizer, scheduler, scaler)  # backward, clip, step, zero_grad, schedule
 
-    def backward(loss):
-        scaler.scale(loss).backward()
-
-    def step():
-        if cfg.clip_grad_norm:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-
-    metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  no_sync=model.no_sync,
-                  checkpointer=ZeroCheckpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
+    hooks = TrainHooks(scaled.backward, scaled.step, device, ctx=ctx, no_sync=model.no_sync,
+                       skipped_steps=scaled.skipped_steps, optimizer=optimizer)
+    metrics = fit(cfg, model, train_loader, test_loader, hooks,
+                  ZeroCheckpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     path = save_final(model.module.state_dict(), cfg, __file__)
     optimizer.consolidate_state_dict(to=0)  # a collective: every rank takes part, rank 0 receives
     if global_rank() == 0:
@@ -77,4 +63,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    launch(main, __file__, strategy="ddp_zero", precisions=("fp32", "fp16", "bf16"), cfg_cls=ZeROConfig)
+    launch(main, __file__, cfg_cls=DistributedConfig)

@@ -25,7 +25,8 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from common import (  # noqa: E402
     DTYPES,
     DeepSpeedCheckpointer,
-    TrainConfig,
+    DistributedConfig,
+    TrainHooks,
     UsageError,
     barrier,
     build_loaders,
@@ -47,7 +48,8 @@ from common.deepspeed_config import resolve_ds_config  # noqa: E402
 
 
 @dataclass
-class DeepSpeedConfig(TrainConfig):
+class DeepSpeedConfig(DistributedConfig):
+    OMIT = ("compile", "grad_accum")  # DeepSpeed has its own compile config and accumulates inside step()
     deepspeed_config: str = opt("config/zero_stage2_config.json", "DeepSpeed JSON (relative to the working "
                                 "directory or the project): ZeRO stage, precision, batch keys")
     offload: bool = opt(False, "ZeRO-Offload: optimizer state (stage 2/3) and parameters (stage 3) in host memory")
@@ -58,10 +60,6 @@ def main(cfg):
     info = init_distributed(cfg, standalone_group=True)
     rank, world_size, device = info.rank, info.world_size, info.device
     configure_backends(cfg, device)
-    if cfg.compile:
-        raise UsageError("--compile is not wired for DeepSpeed engines here (DeepSpeed has its own compile config)")
-    if cfg.grad_accum != 1:
-        raise UsageError("--grad-accum: DeepSpeed accumulates inside engine.step(); this script runs 1")
     if cfg.offload and device.type != "cuda":
         raise UsageError("--offload moves ZeRO state from GPU to host memory: it needs CUDA devices")
     ds_config, precision = resolve_ds_config(cfg, cfg.deepspeed_config, world_size, per_rank_batch(cfg, world_size),
@@ -76,17 +74,12 @@ def main(cfg):
     # the engine owns loss scaling (fp16), clipping, the optimizer step, zero_grad and scheduler.step
     engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                            config=ds_config)
-    ctx = nullcontext()  # DeepSpeed casts the model itself for fp16/bf16; inputs follow (input_dtype)
+    ctx = nullcontext()  # DeepSpeed casts the parameters for fp16/bf16 (not BatchNorm's statistics: see models.py)
 
-    def backward(loss):
-        engine.backward(loss)
-
-    def step():
-        engine.step()
-
-    metrics = fit(cfg, engine, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  input_dtype=dtype,
-                  checkpointer=DeepSpeedCheckpointer(cfg, __file__, engine, optimizer, scheduler, None, train_loader))
+    hooks = TrainHooks(engine.backward, engine.step, device, ctx=ctx, input_dtype=dtype, optimizer=optimizer,
+                       skipped_steps=lambda: engine.skipped_steps if precision == "fp16" else None)
+    metrics = fit(cfg, engine, train_loader, test_loader, hooks,
+                  DeepSpeedCheckpointer(cfg, __file__, engine, optimizer, scheduler, None, train_loader))
     ckpt_dir = os.path.join(cfg.save_dir, "pytorch_DeepSpeed", "ds_checkpoint")
     engine.save_checkpoint(ckpt_dir, tag="final")  # every rank writes its shard
     barrier()
@@ -98,4 +91,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    launch(main, __file__, strategy="deepspeed", precisions=("fp32", "fp16", "bf16"), cfg_cls=DeepSpeedConfig)
+    launch(main, __file__, cfg_cls=DeepSpeedConfig)

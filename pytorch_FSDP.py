@@ -23,7 +23,9 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from common import (
     DTYPES,
     DCPCheckpointer,
-    TrainConfig,
+    DistributedConfig,
+    ScaledStep,
+    TrainHooks,
     UsageError,
     build_loaders,
     build_model,
@@ -38,10 +40,11 @@ from common import (
     save_final,
     steps_per_epoch,
 )
+from common.models import stages
 
 
 @dataclass
-class FSDPConfig(TrainConfig):
+class FSDPConfig(DistributedConfig):
     sharding: str = opt("full-shard", "full-shard: reshard after forward (least memory); shard-grad-op: keep "
                         "gathered weights from forward to backward (less communication); hybrid: shard within "
                         "a node, replicate across nodes", choices=("full-shard", "shard-grad-op", "hybrid"))
@@ -79,31 +82,21 @@ def main(cfg):
         offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else None,
     )
     fsdp_kwargs = {k: v for k, v in fsdp_kwargs.items() if v is not None}
-    for stage in (getattr(model, n, None) for n in ("layer1", "layer2", "layer3", "layer4")):
-        for block in stage or []:
+    for stage in stages(model):
+        for block in stage:
             fully_shard(block, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
     optimizer = build_optimizer(cfg, model.parameters())
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
     # each rank sees only its shard's overflows: the sharded scaler agrees on skipping across ranks
     scaler = ShardedGradScaler(device.type, enabled=dtype == torch.float16)
-    ctx = nullcontext()  # MixedPrecisionPolicy casts parameters; inputs stay fp32 and are cast by the model's first op
+    ctx = nullcontext()  # MixedPrecisionPolicy casts the parameters (not BatchNorm's statistics: see models.py)
+    scaled = ScaledStep(cfg, model, optimizer, scheduler, scaler)  # backward, clip, step, zero_grad, schedule
 
-    def backward(loss):
-        scaler.scale(loss).backward()
-
-    def step():
-        if cfg.clip_grad_norm:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-
-    metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  input_dtype=dtype,
-                  checkpointer=DCPCheckpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
+    hooks = TrainHooks(scaled.backward, scaled.step, device, ctx=ctx, input_dtype=dtype,
+                       skipped_steps=scaled.skipped_steps, optimizer=optimizer)
+    metrics = fit(cfg, model, train_loader, test_loader, hooks,
+                  DCPCheckpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     save_final(full, cfg, __file__)  # a collective above; rank 0 alone holds and writes the full weights
     return metrics, {"precision": cfg.precision if dtype == torch.float32 else f"mp_{cfg.precision}",
@@ -111,4 +104,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    launch(main, __file__, strategy="fsdp", precisions=("fp32", "fp16", "bf16"), cfg_cls=FSDPConfig)
+    launch(main, __file__, cfg_cls=FSDPConfig)

@@ -13,6 +13,8 @@ import torch
 
 from common import (
     Checkpointer,
+    ScaledStep,
+    TrainHooks,
     build_loaders,
     build_model,
     build_optimizer,
@@ -39,24 +41,14 @@ def main(cfg):
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
     scaler = torch.amp.GradScaler(device.type, enabled=False)  # fp32 gradients do not underflow
     ctx = nullcontext()
+    scaled = ScaledStep(cfg, model, optimizer, scheduler, scaler)  # backward, clip, step, zero_grad, schedule
 
-    def backward(loss):
-        scaler.scale(loss).backward()
-
-    def step():
-        if cfg.clip_grad_norm:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-
-    metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  checkpointer=Checkpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
+    hooks = TrainHooks(scaled.backward, scaled.step, device, ctx=ctx, optimizer=optimizer)
+    metrics = fit(cfg, model, train_loader, test_loader, hooks,
+                  Checkpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     save_final(model.state_dict(), cfg, __file__)
     return metrics
 
 
 if __name__ == "__main__":
-    launch(main, __file__, strategy="single", precisions=("fp32",))
+    launch(main, __file__)

@@ -14,6 +14,8 @@ import torch
 from common import (
     DTYPES,
     Checkpointer,
+    ScaledStep,
+    TrainHooks,
     build_loaders,
     build_model,
     build_optimizer,
@@ -43,28 +45,15 @@ def main(cfg):
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # bf16 has fp32's range
     ctx = torch.autocast(device.type, dtype=dtype)
-    skipped = torch.zeros((), device=device)
+    scaled = ScaledStep(cfg, model, optimizer, scheduler, scaler)  # unscale_ before clipping; skips counted
 
-    def backward(loss):
-        scaler.scale(loss).backward()
-
-    def step():
-        nonlocal skipped
-        if cfg.clip_grad_norm:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-        scaler.step(optimizer)
-        if scaler.is_enabled():  # counted on the device: no host sync per step
-            skipped = skipped + sum(scaler._found_inf_per_device(optimizer).values())
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-
-    metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  checkpointer=Checkpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
+    hooks = TrainHooks(scaled.backward, scaled.step, device, ctx=ctx, skipped_steps=scaled.skipped_steps,
+                       optimizer=optimizer)
+    metrics = fit(cfg, model, train_loader, test_loader, hooks,
+                  Checkpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     save_final(model.state_dict(), cfg, __file__)
-    return metrics, {"precision": f"amp_{cfg.precision}", "skipped_steps": int(skipped)}
+    return metrics, {"precision": f"amp_{cfg.precision}"}
 
 
 if __name__ == "__main__":
-    launch(main, __file__, strategy="single", precisions=("fp16", "bf16"))
+    launch(main, __file__)

@@ -20,6 +20,7 @@ from common import (
     DTYPES,
     Checkpointer,
     TrainConfig,
+    TrainHooks,
     build_loaders,
     build_model,
     build_optimizer,
@@ -75,13 +76,13 @@ def main(cfg):
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
 
-    metrics = fit(cfg, model, train_loader, test_loader, backward=backward, step=step, ctx=ctx, device=device,
-                  input_dtype=dtype,
-                  checkpointer=Checkpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
+    hooks = TrainHooks(backward, step, device, ctx=ctx, input_dtype=dtype, optimizer=optimizer)
+    metrics = fit(cfg, model, train_loader, test_loader, hooks,
+                  Checkpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     save_final(model.state_dict(), cfg, __file__)
     suffix = ("+bn32" if cfg.bn_fp32 else "") + (f"+ls{cfg.loss_scale:g}" if cfg.loss_scale != 1.0 else "")
     return metrics, {"precision": f"pure_{cfg.precision}{suffix}"}
 
 
 if __name__ == "__main__":
-    launch(main, __file__, strategy="single", precisions=("fp16", "bf16"), cfg_cls=HalfConfig)
+    launch(main, __file__, cfg_cls=HalfConfig)

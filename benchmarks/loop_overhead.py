@@ -21,13 +21,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.config import TrainConfig  # noqa: E402
+from common.distributed import synchronize as sync  # noqa: E402
 from common.models import build_model  # noqa: E402
-from common.train import build_optimizer, build_scheduler, fit  # noqa: E402
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from common.optim import build_optimizer, build_scheduler  # noqa: E402
+from common.train import TrainHooks, fit  # noqa: E402
 
 
 def bare(model, opt, batches, device):
@@ -51,7 +48,8 @@ def main():
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TrainConfig(model=a.model, pretrained=False, image_size=a.image_size, batch_size=a.batch_size, epochs=1,
-                      warmup_steps=0, timing_warmup_steps=a.warmup, log_every=50, scheduler="none")
+                      warmup_steps=0, timing_warmup_steps=a.warmup, log_every=50, scheduler="none",
+                      loader_probe_batches=0)
     torch.manual_seed(0)
     base = build_model(cfg).to(device)
     g = torch.Generator().manual_seed(0)
@@ -74,8 +72,9 @@ def main():
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
-        m = fit(cfg, model, batches, [], backward=lambda loss: loss.backward(), step=step, ctx=nullcontext(),
-                device=device, eval_fn=lambda *args, **kw: (float("nan"), 0))
+        hooks = TrainHooks(lambda loss: loss.backward(), step, device, ctx=nullcontext(),
+                           evaluate=lambda *args, **kw: (float("nan"), 0))
+        m = fit(cfg, model, batches, [], hooks)
         fit_t.append(a.batch_size / m.throughput_img_s)  # seconds per step over the same window
         print(f"round {r + 1}: bare {bare_t[-1] * 1000:.1f} ms/step, fit {fit_t[-1] * 1000:.1f} ms/step", flush=True)
     b, f = statistics.median(bare_t), statistics.median(fit_t)

@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.config import TrainConfig  # noqa: E402
 from common.data import build_loaders  # noqa: E402
 from common.models import build_model  # noqa: E402
-from common.train import DTYPES, build_optimizer, configure_backends  # noqa: E402
+from common.optim import build_optimizer  # noqa: E402
+from common.precision import DTYPES, configure_backends  # noqa: E402
 
 
 def main():

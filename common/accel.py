@@ -1,6 +1,7 @@
 """accelerate helpers shared by the three accelerate_*.py scripts."""
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -15,10 +16,22 @@ def accelerate_precision(cfg: TrainConfig) -> str | None:
     return {"fp16": "fp16", "bf16": "bf16"}.get(cfg.precision)
 
 
+def check_precision(accelerator) -> None:
+    """accelerate on CPU keeps mixed_precision="fp16" but runs no autocast (accelerator.py sets
+    native_amp only for fp16 on a GPU-like device): the run would train in fp32 under an fp16 label."""
+    from accelerate import DistributedType
+
+    if (accelerator.mixed_precision not in ("no", None) and not accelerator.native_amp
+            and accelerator.distributed_type != DistributedType.DEEPSPEED):
+        raise UsageError(f"accelerate runs {accelerator.mixed_precision} mixed precision only on a GPU here (on "
+                         f"{accelerator.device.type} it would silently train in fp32); use --precision bf16 or fp32")
+
+
 def check_world(accelerator) -> tuple[int, int]:
     """Rank and world size from torch.distributed. Under accelerate's DeepSpeed path on CPU, accelerate
     has been seen reporting num_processes=1 and process_index=0 on every one of 2 ranks: trusting it
     would write two rows and train each rank on the whole data set."""
+    check_precision(accelerator)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if accelerator.num_processes != world and rank == 0:
@@ -61,3 +74,51 @@ def require_cuda(device: torch.device, what: str) -> None:
     if device.type != "cuda":
         raise UsageError(f"{what} needs CUDA devices (on CPU accelerate drops the plugin and every rank "
                          f"trains alone); for FSDP on CPU use pytorch_FSDP.py")
+
+
+class AccelerateStep:
+    """backward and the optimizer step through accelerate (its GradScaler for fp16, its no-op
+    clipping under DeepSpeed, whose engine clips from the JSON's gradient_clipping). The scheduler
+    is ours, not prepared: accelerate would step it num_processes times per optimizer step."""
+
+    def __init__(self, cfg: TrainConfig, accelerator, model, optimizer, scheduler):
+        self.cfg, self.accelerator, self.model, self.optimizer, self.scheduler = (cfg, accelerator, model, optimizer,
+                                                                                  scheduler)
+        self.skipped = 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    def step(self) -> None:
+        if self.cfg.clip_grad_norm:
+            self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
+        self.optimizer.step()
+        # GradScaler.step already synchronized to decide: reading the flag costs nothing more
+        self.skipped += bool(getattr(self.optimizer, "step_was_skipped", False))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def skipped_steps(self) -> int | None:
+        return self.skipped if getattr(self.accelerator, "scaler", None) is not None else None
+
+
+def fsdp_plugin(model):
+    """accelerate's FSDP plugin: what `accelerate launch --config_file config/default_FSDP.yml` put in
+    the environment (FSDP_*), else the YAML's defaults, and the wrap classes read from the model
+    unless the YAML names them (accelerate raises "Could not find the transformer layer class" for a
+    class the model does not have: Bottleneck is resnet50's block, BasicBlock resnet18's)."""
+    from accelerate import FullyShardedDataParallelPlugin
+
+    from .models import block_classes
+
+    env = os.environ
+    listed = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "")
+    kwargs = {"transformer_cls_names_to_wrap": listed.split(",") if listed else block_classes(model)}
+    defaults = {"FSDP_VERSION": ("fsdp_version", 2), "FSDP_AUTO_WRAP_POLICY": ("auto_wrap_policy",
+                                                                                "transformer_based_wrap"),
+                "FSDP_RESHARD_AFTER_FORWARD": ("reshard_after_forward", True),
+                "FSDP_STATE_DICT_TYPE": ("state_dict_type", "FULL_STATE_DICT")}
+    for var, (name, value) in defaults.items():
+        if var not in env:
+            kwargs[name] = value
+    return FullyShardedDataParallelPlugin(**kwargs)

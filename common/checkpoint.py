@@ -23,7 +23,7 @@ from .config import TrainConfig, UsageError
 from .distributed import barrier, global_rank
 
 
-def _rng_state(loader) -> dict:
+def rng_state(loader) -> dict:
     """This process's random state: Python, NumPy, torch (CPU and CUDA) and the DataLoader's generator."""
     gen = getattr(loader, "generator", None)
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate(),
@@ -31,7 +31,7 @@ def _rng_state(loader) -> dict:
             "loader": gen.get_state() if isinstance(gen, torch.Generator) else None}
 
 
-def _set_rng_state(state: dict, loader) -> None:
+def set_rng_state(state: dict, loader) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["random"])
@@ -86,7 +86,7 @@ class Checkpointer:
             os.makedirs(tmp)
         barrier()
         self.save_native(tmp)
-        torch.save(_rng_state(self.loader), os.path.join(tmp, f"rng_rank{global_rank()}.pt"))
+        torch.save(rng_state(self.loader), os.path.join(tmp, f"rng_rank{global_rank()}.pt"))
         if global_rank() == 0:
             torch.save({"meta": meta, "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                         "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -138,7 +138,7 @@ class Checkpointer:
             self.scheduler.load_state_dict(run["scheduler"])
         if self.scaler is not None and run["scaler"] is not None:
             self.scaler.load_state_dict(run["scaler"])
-        _set_rng_state(_load(os.path.join(folder, f"rng_rank{global_rank()}.pt")), self.loader)
+        set_rng_state(_load(os.path.join(folder, f"rng_rank{global_rank()}.pt")), self.loader)
         self.loaded_from = folder
         return run["meta"]
 
@@ -200,3 +200,33 @@ class AccelerateCheckpointer(Checkpointer):
 
     def load_native(self, folder: str) -> None:
         self.accelerator.load_state(os.path.join(folder, "accelerate"))
+
+
+# --- the final weights every script writes ---
+
+def strip_prefixes(state_dict: dict) -> dict:
+    """Plain torchvision keys: no 'module.' (DDP/DP), '_orig_mod.' (torch.compile) prefixes."""
+    out = {}
+    for k, v in state_dict.items():
+        for p in ("module.", "_orig_mod."):
+            while k.startswith(p):
+                k = k[len(p):]
+        out[k] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def final_path(cfg: TrainConfig, script: str) -> str:
+    return os.path.join(cfg.save_dir, os.path.splitext(os.path.basename(script))[0], "model_final.pt")
+
+
+def save_final(state_dict: dict, cfg: TrainConfig, script: str) -> str:
+    """Global rank 0 writes the bare model's fp32 state_dict atomically (temporary file, then rename)."""
+    path = final_path(cfg, script)
+    if global_rank() != 0:
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    sd = {k: (v.float() if torch.is_floating_point(v) else v) for k, v in strip_prefixes(state_dict).items()}
+    tmp = path + ".tmp"
+    torch.save(sd, tmp)
+    os.replace(tmp, path)
+    return path

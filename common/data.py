@@ -85,7 +85,7 @@ def make_synthetic(n: int, seed: int, train: bool) -> tuple[np.ndarray, np.ndarr
     return images.numpy(), labels.numpy()
 
 
-def load_arrays(cfg: TrainConfig, train: bool) -> tuple[np.ndarray, np.ndarray]:
+def load_arrays(cfg, train: bool) -> tuple[np.ndarray, np.ndarray]:
     limit = cfg.train_samples if train else cfg.test_samples
     if cfg.dataset == "synthetic":
         return make_synthetic(limit or CIFAR_SIZES[train], cfg.seed, train)
@@ -153,6 +153,11 @@ def per_rank_batch(cfg: TrainConfig, world_size: int) -> int:
     return cfg.batch_size // parts
 
 
+def augmentation_seed(seed: int, epoch: int, rank: int) -> int:
+    """A seed per (run seed, epoch, rank), independent of the shuffling seed."""
+    return int(np.random.SeedSequence([seed, epoch, rank, 1]).generate_state(1)[0])
+
+
 class GpuLoader:
     """Device-resident batches; same sharding, shuffling per epoch and drop_last as DistributedSampler."""
 
@@ -199,12 +204,14 @@ class GpuLoader:
 
     def __iter__(self):
         if self.train:
-            gen = torch.Generator().manual_seed(self.seed + self.epoch)
-            perm = torch.randperm(len(self.labels), generator=gen)[: self.num_samples * self.world_size]
-            shard = perm[self.rank::self.world_size].to(self.device)
+            # one permutation for all ranks (each takes its shard of it), but each rank its own crops
+            # and flips: augmentation drawn from the shared generator would repeat across ranks
+            perm = torch.randperm(len(self.labels), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            shard = perm[: self.num_samples * self.world_size][self.rank::self.world_size].to(self.device)
+            aug = torch.Generator().manual_seed(augmentation_seed(self.seed, self.epoch, self.rank))
             for start in range(0, len(self) * self.batch, self.batch):
                 sel = shard[start:start + self.batch]
-                yield self._transform(self.images[sel], gen), self.labels[sel]
+                yield self._transform(self.images[sel], aug), self.labels[sel]
         else:
             for start in range(0, self.num_samples, self.batch):
                 sel, ok = self.idx[start:start + self.batch], self.valid[start:start + self.batch]
@@ -215,19 +222,30 @@ def build_loaders(cfg: TrainConfig, rank: int, world_size: int, device: torch.de
     """Returns (train_loader, test_loader). Train batches are per-rank micro-batches; the test loader
     yields (images, labels, valid) with every test sample valid on exactly one rank."""
     batch = per_rank_batch(cfg, world_size)
-    train_arrays, test_arrays = load_arrays(cfg, True), load_arrays(cfg, False)
-    if len(train_arrays[1]) < batch * world_size * cfg.grad_accum:
-        raise UsageError(f"{len(train_arrays[1])} training samples are fewer than one global batch "
+    images, labels = load_arrays(cfg, True)
+    if len(labels) < batch * world_size * cfg.grad_accum:
+        raise UsageError(f"{len(labels)} training samples are fewer than one global batch "
                          f"({cfg.batch_size}); raise --train-samples or lower --batch-size")
-    eval_batch = max(1, cfg.batch_size // world_size)
+    test = build_test_loader(cfg, rank, world_size, device, max(1, cfg.batch_size // world_size))
     if cfg.loader == "gpu":
-        return (GpuLoader(*train_arrays, batch, rank, world_size, cfg.seed, True, cfg.image_size, device, cfg.augment),
-                GpuLoader(*test_arrays, eval_batch, rank, world_size, cfg.seed, False, cfg.image_size, device))
-    train_ds = ArrayDataset(*train_arrays, transforms(cfg.image_size, cfg.augment))
-    test_ds = EvalShard(ArrayDataset(*test_arrays, transforms(cfg.image_size, False)), rank, world_size)
+        return GpuLoader(images, labels, batch, rank, world_size, cfg.seed, True, cfg.image_size, device,
+                         cfg.augment), test
+    train_ds = ArrayDataset(images, labels, transforms(cfg.image_size, cfg.augment))
     sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
-    common = dict(num_workers=cfg.workers, pin_memory=device.type == "cuda",
-                  persistent_workers=cfg.workers > 0, generator=torch.Generator().manual_seed(cfg.seed + rank))
-    return (DataLoader(train_ds, batch_size=batch, sampler=sampler, drop_last=True, **common),
-            DataLoader(test_ds, batch_size=eval_batch, shuffle=False, **common))
+    return DataLoader(train_ds, batch_size=batch, sampler=sampler, drop_last=True,
+                      **_loader_kwargs(cfg, rank, device)), test
+
+
+def build_test_loader(cfg, rank: int, world_size: int, device: torch.device, batch: int):
+    """Every test sample on exactly one rank, batches of (images, labels, valid)."""
+    images, labels = load_arrays(cfg, False)
+    if cfg.loader == "gpu":
+        return GpuLoader(images, labels, batch, rank, world_size, cfg.seed, False, cfg.image_size, device)
+    test_ds = EvalShard(ArrayDataset(images, labels, transforms(cfg.image_size, False)), rank, world_size)
+    return DataLoader(test_ds, batch_size=batch, shuffle=False, **_loader_kwargs(cfg, rank, device))
+
+
+def _loader_kwargs(cfg, rank: int, device: torch.device) -> dict:
+    return dict(num_workers=cfg.workers, pin_memory=device.type == "cuda", persistent_workers=cfg.workers > 0,
+                generator=torch.Generator().manual_seed(cfg.seed + rank))

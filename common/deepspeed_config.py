@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from .config import TrainConfig, UsageError
-
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .config import PROJECT_ROOT, TrainConfig, UsageError
 
 
 def resolve_path(path: str) -> str:
@@ -30,7 +28,11 @@ def _fill(ds: dict, key: str, value, path: str):
 
 def resolve_ds_config(cfg: TrainConfig, path: str, world_size: int, micro_batch: int,
                       offload: bool = False) -> tuple[dict, str]:
-    """Returns (config dict for deepspeed.initialize, precision actually used: fp32/fp16/bf16)."""
+    """Returns (config dict for deepspeed.initialize, precision actually used: fp32/fp16/bf16).
+
+    ZeRO-3: stage3_gather_16bit_weights_on_model_save defaults to true here. accelerate's
+    get_state_dict (and engine.save_16bit_model) raise without it, since under stage 3 no rank
+    holds whole parameters; with it the weights are gathered to rank 0 on save."""
     full = resolve_path(path)
     try:
         with open(full) as fh:
@@ -65,6 +67,10 @@ def resolve_ds_config(cfg: TrainConfig, path: str, world_size: int, micro_batch:
         raise UsageError(f"{path} enables both fp16 and bf16")
     precision = "fp16" if enabled["fp16"] else "bf16" if enabled["bf16"] else "fp32"
     zero = ds.setdefault("zero_optimization", {"stage": 0})
+    if zero.get("stage", 0) == 3:
+        if zero.setdefault("stage3_gather_16bit_weights_on_model_save", True) is not True:
+            raise UsageError(f"{path}: stage3_gather_16bit_weights_on_model_save is false, so the final weights "
+                             f"cannot be gathered into model_final.pt; set it to true")
     if offload:
         if zero.get("stage", 0) < 2:
             raise UsageError("--offload needs ZeRO stage 2 or 3 (config/zero_stage2_config.json or stage3)")

@@ -6,6 +6,7 @@ local rank as the global one (as the articles' repository did) makes two process
 from __future__ import annotations
 
 import gc
+import math
 import os
 from dataclasses import dataclass
 
@@ -23,19 +24,53 @@ class DistInfo:
     device: torch.device
 
 
-def pick_device(cfg: TrainConfig, local_rank: int = 0) -> torch.device:
+def pick_device(cfg, local_rank: int = 0) -> torch.device:
+    """cuda:LOCAL_RANK, or cuda:0 when the process sees exactly one GPU: schedulers that give each
+    process its own GPU (Slurm --gpus-per-task=1, a CUDA_VISIBLE_DEVICES per rank) leave LOCAL_RANK
+    at 0..n-1 while every process sees its GPU as device 0. (Two processes on one GPU are refused
+    by NCCL itself: "Duplicate GPU detected".)"""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
     if cfg.device == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    if local_rank >= torch.cuda.device_count():
-        raise UsageError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
-                         f"start at most that many processes per node")
-    return torch.device("cuda", local_rank)
+    visible = torch.cuda.device_count()
+    if local_rank < visible:
+        return torch.device("cuda", local_rank)
+    if visible == 1:
+        return torch.device("cuda", 0)
+    raise UsageError(f"LOCAL_RANK {local_rank} but only {visible} GPUs are visible; "
+                     f"start at most that many processes per node")
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for a rendezvous on 127.0.0.1)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def backend_for(cfg, device: torch.device) -> str:
+    """nccl on CUDA, gloo on CPU (--backend overrides). With FSDP's --cpu-offload, sharded parameters
+    and gradients live on the host, and clip_grad_norm_ reduces their norms there: an nccl-only group
+    has no CPU backend for that, so the group gets both, "cuda:nccl,cpu:gloo" (as accelerate,
+    torchtitan and torchtune do for CPU offload)."""
+    backend = getattr(cfg, "backend", "auto")
+    backend = backend if backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise UsageError("--backend nccl needs CUDA devices; use gloo on CPU")
+    if backend == "nccl" and getattr(cfg, "cpu_offload", False):
+        return "cuda:nccl,cpu:gloo"
+    return backend
 
 
 def init_distributed(cfg: TrainConfig, standalone_group: bool = False) -> DistInfo:
@@ -45,31 +80,23 @@ def init_distributed(cfg: TrainConfig, standalone_group: bool = False) -> DistIn
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         if not standalone_group:
             return DistInfo(0, 0, 1, pick_device(cfg))
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(cfg, local_rank)
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    if backend == "nccl" and device.type != "cuda":
-        raise UsageError("--backend nccl needs CUDA devices; use gloo on CPU")
+    device = pick_device(cfg, local_rank())
+    backend = backend_for(cfg, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 device_id=device if device.type == "cuda" else None)
-    return DistInfo(rank, local_rank, world_size, device)
+    return DistInfo(rank, local_rank(), world_size, device)
 
 
 def require_single_process(script: str) -> None:
     if launched_world_size() > 1:
-        raise UsageError(f"{os.path.basename(script)} trains on one device; start it with python, or use pytorch_DDP.py "
-                         f"for {launched_world_size()} processes")
+        raise UsageError(f"{os.path.basename(script)} trains on one device; start it with python, or use "
+                         f"pytorch_DDP.py for {launched_world_size()} processes")
 
 
 def cleanup(wait_for_all: bool = False) -> None:
@@ -100,18 +127,83 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+# --- collectives: the one rule ---
+# Every collective in common/ goes through these helpers, and every tensor they reduce lives on the
+# run's device. An nccl group serves only CUDA tensors (distributed_c10d.py maps "nccl" to ["cuda"]):
+# a metric tensor built on the CPU fails there with "No backend type associated with device type
+# cpu", after training, losing the run's figures. gloo serves CPU and CUDA tensors alike.
+
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce when a group exists; gloo wants CPU tensors, nccl device tensors."""
+    """In-place all-reduce of a tensor on the run's device, when a group of more than one exists."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return tensor
-    backend_cpu = dist.get_backend() == "gloo"
-    work = tensor.cpu() if backend_cpu and tensor.device.type != "cpu" else tensor
-    dist.all_reduce(work, op=op)
-    if work is not tensor:
-        tensor.copy_(work)
+    dist.all_reduce(tensor, op=op)
     return tensor
+
+
+def reduce_tensor(values, device: torch.device, op: str = "sum") -> tuple[torch.Tensor, torch.Tensor]:
+    """(reduced values, ranks that measured each) as float64 tensors on `device`. NaN means "not
+    measured on this rank": it is left out of max, sum and mean instead of poisoning them."""
+    t = torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float64, device=device)
+    present = (~torch.isnan(t)).to(torch.float64)
+    filled = torch.where(present.bool(), t, torch.full_like(t, -math.inf if op == "max" else 0.0))
+    all_reduce(filled, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    all_reduce(present)
+    if op == "mean":
+        filled = filled / present.clamp(min=1)
+    return filled, present
+
+
+def reduce_metrics(values: dict, device: torch.device, op: str = "max") -> dict:
+    """{name: float or None} reduced over ranks with op (max, sum or mean); None where no rank measured."""
+    if not values:
+        return {}
+    reduced, present = reduce_tensor(list(values.values()), device, op)
+    if reduced.device.type == "meta":  # values this process cannot read (the tests' stand-in for a GPU)
+        return dict.fromkeys(values)
+    return {k: (v if n > 0 else None) for k, v, n in zip(values, reduced.tolist(), present.tolist())}
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (a no-op on CPU, where work is synchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+# --- who writes the row of a run that failed ---
+
+def restarts() -> int:
+    """How many times torchrun has restarted this worker group (TORCHELASTIC_RESTART_COUNT)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def restart_pending() -> bool:
+    """True when torchrun will restart the group after this attempt fails (--max-restarts not used
+    up): the failure is not the run's end, so it writes no row; the final attempt writes the one."""
+    return restarts() < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+
+
+def claim_failure_row() -> bool:
+    """Whether this rank writes the row of a run that failed.
+
+    A failure can start on any rank: an OOM on rank 3 leaves rank 0 blocked in a collective until
+    the launcher kills it, so rank 0 alone cannot record it. The first rank to fail claims the row
+    with an atomic add on the process group's store (the TCPStore every rank already shares); a
+    rank that fails later, typically because its peer is gone, finds the claim taken and writes
+    nothing, so the run keeps exactly one row and it names the first cause. Without a group, or
+    when the store cannot be reached, rank 0 writes as usual."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return global_rank() == 0
+    try:
+        import datetime
+
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=10))
+        return store.add(f"bench/failure_row/{restarts()}", 1) == 1
+    except Exception:
+        return global_rank() == 0

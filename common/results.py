@@ -1,38 +1,66 @@
 """results/summary.csv: one row per run, appended under a file lock by global rank 0.
 
-A file whose first line is not our header (another tool's CSV, garbage, an older schema) or whose
-last line is cut short is never written to: the run stops with a one-line error and the file is kept.
+Schema growth never strands results: a file written by an earlier version of this project (its
+header is one of HISTORY's) is upgraded in place before the next row is appended, its rows
+re-keyed by column name under the new header and the original kept beside it as `<file>.bak`.
+A file whose first line is no header of ours (another tool's CSV, garbage) or whose last line is
+cut short is never written to: the run stops with a one-line error and the file is kept as is.
 """
 from __future__ import annotations
 
 import csv
 import io
 import os
+import shutil
 
 from filelock import FileLock, Timeout
 
 from .config import UsageError
 
 # The contract other tools rely on, in this order; extra columns follow.
-COLUMNS = [
+CONTRACT = [
     "timestamp", "script", "strategy", "precision", "world_size", "device", "model", "dataset",
     "image_size", "global_batch_size", "epochs", "steps", "train_time_s", "throughput_img_s",
     "peak_allocated_gib", "peak_reserved_gib", "peak_nvml_gib", "gpu_util_mean", "gpu_util_peak",
     "train_loss", "test_accuracy", "test_samples", "status", "torch_version", "git_commit",
-    # extras
-    "run_name", "device_name", "num_devices", "train_accuracy", "timed_steps", "compile_time_s",
-    "skipped_steps", "resumed", "tf32", "channels_last", "grad_checkpointing", "compile", "loader",
-    "grad_accum", "optimizer", "lr", "seed", "pretrained", "error",
 ]
-STATUSES = ("ok", "diverged", "oom", "failed", "timeout", "skipped")
+# Headers of earlier releases, oldest first: a file with one of them is upgraded, never refused.
+HISTORY = [
+    CONTRACT + ["run_name", "device_name", "num_devices", "train_accuracy", "timed_steps", "compile_time_s",
+                "skipped_steps", "resumed", "tf32", "channels_last", "grad_checkpointing", "compile", "loader",
+                "grad_accum", "optimizer", "lr", "seed", "pretrained", "error"],
+]
+COLUMNS = CONTRACT + [
+    # what makes the row reproducible
+    "run_name", "device_name", "num_devices", "train_accuracy", "timed_steps", "compile_time_s",
+    "skipped_steps", "resumed", "restarts", "repeat", "scaling", "tf32", "channels_last", "grad_checkpointing",
+    "compile", "loader", "grad_accum", "microbatches", "optimizer", "lr", "seed", "pretrained", "cpu_threads",
+    # the input pipeline, the step-time distribution, compute efficiency, energy, time to accuracy
+    "loader_img_s", "step_ms_p50", "step_ms_p90", "train_gflop_per_img", "achieved_tflops", "peak_tflops", "mfu",
+    "energy_j", "img_per_j", "target_accuracy", "time_to_target_s",
+    # memory: measured model state and the memory model's prediction
+    "model_state_gib", "pred_model_state_gib", "pred_activation_gib", "pred_peak_gib", "pred_error_pct",
+    # communication and pipelining
+    "comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step", "busbw_gbps", "comm_overlap_pct",
+    "pipeline_bubble_pct",
+    # software fingerprint
+    "cuda_version", "cudnn_version", "nccl_version", "driver_version", "deepspeed_version", "accelerate_version",
+    "error",
+]
 
 
 def _lock(path: str) -> FileLock:
     return FileLock(path + ".lock", timeout=60)
 
 
-def _check_existing(path: str, columns: list[str] = COLUMNS) -> bool:
-    """True when the file exists with our header and ends cleanly; raises UsageError otherwise."""
+def _header(path: str) -> str:
+    with open(path, "rb") as fh:
+        return fh.readline().decode("utf-8").rstrip("\r\n")
+
+
+def _check_existing(path: str, columns: list[str] = COLUMNS, history: list[list[str]] = ()) -> bool:
+    """True when the file exists with our header (or an older one of `history`) and ends cleanly;
+    raises UsageError otherwise."""
     if not os.path.exists(path) or os.path.getsize(path) == 0:
         return False
     try:
@@ -42,7 +70,7 @@ def _check_existing(path: str, columns: list[str] = COLUMNS) -> bool:
             last = fh.read(1)
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"results file {path} cannot be read ({type(exc).__name__}); it was left as is") from None
-    if first != ",".join(columns):
+    if first != ",".join(columns) and first not in {",".join(h) for h in history}:
         raise UsageError(f"results file {path} has another header (not written by this project, or an older "
                          f"schema); it was left as is: pass --results NEW.csv or move it away")
     if last != b"\n":
@@ -50,7 +78,36 @@ def _check_existing(path: str, columns: list[str] = COLUMNS) -> bool:
     return True
 
 
-def check_results_path(path: str, columns: list[str] = COLUMNS) -> None:
+def upgrade(path: str, columns: list[str] = COLUMNS, history: list[list[str]] = HISTORY) -> bool:
+    """Rewrites a file with an older header of ours under `columns` (a copy stays as <path>.bak);
+    True when it did. Call under the file lock."""
+    if not _check_existing(path, columns, history) or _header(path) == ",".join(columns):
+        return False
+    with open(path, newline="", encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    gone = set(rows[0]) - set(columns) if rows else set()
+    if gone:  # a column was dropped: that is a new file, not an upgrade
+        raise UsageError(f"results file {path} has columns this version no longer writes ({sorted(gone)}); "
+                         f"it was left as is: pass --results NEW.csv")
+    backup = path + ".bak"
+    n = 1
+    while os.path.exists(backup):
+        backup, n = f"{path}.bak{n}", n + 1
+    shutil.copy2(path, backup)
+    tmp = path + ".upgrade.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(",".join(columns) + "\n")
+        for row in rows:
+            fh.write(format_row({k: v for k, v in row.items() if v != ""}, columns))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    print(f"note: {path} was written by an earlier version of this project; upgraded to the current columns "
+          f"(original kept as {backup})", flush=True)
+    return True
+
+
+def check_results_path(path: str, columns: list[str] = COLUMNS, history: list[list[str]] = HISTORY) -> None:
     """Fails early (before training) when the results file could not take a row."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
@@ -59,7 +116,7 @@ def check_results_path(path: str, columns: list[str] = COLUMNS) -> None:
         raise UsageError(f"results folder {folder} cannot be created ({exc.strerror})") from None
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise UsageError(f"results file {path} is not writable")
-    _check_existing(path, columns)
+    _check_existing(path, columns, history)
 
 
 def format_row(row: dict, columns: list[str] = COLUMNS) -> str:
@@ -71,11 +128,12 @@ def format_row(row: dict, columns: list[str] = COLUMNS) -> str:
     return buf.getvalue()
 
 
-def append_row(path: str, row: dict, columns: list[str] = COLUMNS) -> None:
-    check_results_path(path, columns)
+def append_row(path: str, row: dict, columns: list[str] = COLUMNS, history: list[list[str]] = HISTORY) -> None:
+    check_results_path(path, columns, history)
     line = format_row(row, columns)
     try:
         with _lock(path):
+            upgrade(path, columns, history)
             has_header = _check_existing(path, columns)
             with open(path, "a", encoding="utf-8") as fh:
                 fh.write(line if has_header else ",".join(columns) + "\n" + line)
@@ -87,8 +145,9 @@ def append_row(path: str, row: dict, columns: list[str] = COLUMNS) -> None:
         raise UsageError(f"results file {path} is not writable") from None
 
 
-def read_rows(path: str, columns: list[str] = COLUMNS) -> list[dict]:
-    if not _check_existing(path, columns):
+def read_rows(path: str, columns: list[str] = COLUMNS, history: list[list[str]] = HISTORY) -> list[dict]:
+    """Every row as {column: text}, under the current columns (an older file's new columns read as "")."""
+    if not _check_existing(path, columns, history):
         return []
     with open(path, newline="", encoding="utf-8") as fh:
-        return list(csv.DictReader(fh))
+        return [{c: row.get(c) or "" for c in columns} for row in csv.DictReader(fh)]

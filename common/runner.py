@@ -15,12 +15,12 @@ import warnings
 
 import torch
 
-from .config import TrainConfig, UsageError, parse_config
-from .distributed import cleanup, global_rank, pick_device, world_size
+from .config import PROJECT_ROOT, TrainConfig, UsageError, parse_config
+from .distributed import claim_failure_row, cleanup, global_rank, pick_device, restart_pending, restarts, world_size
+from .measure.fingerprint import fingerprint
+from .registry import script as registry_entry
 from .results import append_row, check_results_path
 from .train import Diverged
-
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def git_commit() -> str:
@@ -47,7 +47,7 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or "cpu"
 
 
-def base_row(cfg: TrainConfig, script: str, strategy: str) -> dict:
+def base_row(cfg: TrainConfig, script: str, strategy: str, libraries: tuple[str, ...] = ()) -> dict:
     try:
         device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
     except UsageError:
@@ -62,6 +62,9 @@ def base_row(cfg: TrainConfig, script: str, strategy: str) -> dict:
         "tf32": cfg.tf32, "channels_last": cfg.channels_last, "grad_checkpointing": cfg.grad_checkpointing,
         "compile": cfg.compile, "loader": cfg.loader, "grad_accum": cfg.grad_accum, "optimizer": cfg.optimizer,
         "lr": cfg.lr, "seed": cfg.seed, "pretrained": cfg.pretrained, "resumed": False,
+        "restarts": restarts(), "repeat": cfg.repeat or None, "scaling": cfg.scaling or None,
+        "target_accuracy": cfg.target_accuracy or None, "cpu_threads": torch.get_num_threads(),
+        **fingerprint(device, libraries),
     }
 
 
@@ -70,14 +73,17 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
 
 
-def launch(main, script_file: str, strategy: str, precisions=("fp32",), cfg_cls=TrainConfig, **defaults) -> None:
-    """Runs main(cfg) -> Metrics | (Metrics, dict of row overrides) and records the run."""
-    script = os.path.basename(script_file)
+def launch(main, script_file: str, cfg_cls=TrainConfig, **defaults) -> None:
+    """Runs main(cfg) -> Metrics | (Metrics, dict of row overrides) and records the run: one row,
+    written by global rank 0 on success; on failure by the first rank that failed (see
+    distributed.claim_failure_row), and by no one while torchrun will still restart the group."""
+    entry = registry_entry(script_file)
+    script, strategy = entry.file, entry.strategy
     doc = sys.modules["__main__"].__doc__ or ""
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
     code, cfg, row_extra = 0, None, {}
     try:
-        cfg = parse_config(cfg_cls, doc, precisions, **defaults)
+        cfg = parse_config(cfg_cls, doc, entry.precisions, **defaults)
         if global_rank() == 0:
             check_results_path(cfg.results)
         out = main(cfg)
@@ -92,8 +98,8 @@ def launch(main, script_file: str, strategy: str, precisions=("fp32",), cfg_cls=
         print(f"{script}: diverged: {exc}", file=sys.stderr)
     except torch.OutOfMemoryError as exc:
         code, row_extra = 4, {"status": "oom", "error": _one_line(exc)}
-        print(f"{script}: out of memory at global batch {cfg.batch_size}: lower --batch-size, or try "
-              f"--grad-accum, --grad-checkpointing or a sharded strategy", file=sys.stderr)
+        print(f"{script}: out of memory on rank {global_rank()} at global batch {cfg.batch_size}: lower "
+              f"--batch-size, or try --grad-accum, --grad-checkpointing or a sharded strategy", file=sys.stderr)
     except KeyboardInterrupt:
         cleanup()
         raise
@@ -101,8 +107,8 @@ def launch(main, script_file: str, strategy: str, precisions=("fp32",), cfg_cls=
         traceback.print_exc()
         code, row_extra = 1, {"status": "failed", "error": _one_line(exc)}
     try:
-        if global_rank() == 0 and cfg is not None:
-            append_row(cfg.results, {**base_row(cfg, script, strategy), **row_extra})
+        if cfg is not None and write_row(code):
+            append_row(cfg.results, {**base_row(cfg, script, strategy, entry.libraries), **row_extra})
     except UsageError as exc:
         print(f"{script}: error: {exc}", file=sys.stderr)
         code = code or 2
@@ -112,7 +118,18 @@ def launch(main, script_file: str, strategy: str, precisions=("fp32",), cfg_cls=
         sys.exit(code)
 
 
-def launch_tool(main, script_file: str, cfg_cls=TrainConfig, precisions=("fp32",), **defaults) -> None:
+def write_row(code: int) -> bool:
+    if code == 0:
+        return global_rank() == 0
+    if restart_pending():
+        if global_rank() == 0:
+            print(f"attempt {restarts()} failed; torchrun restarts the group (--max-restarts): no row for this "
+                  f"attempt", file=sys.stderr)
+        return False
+    return claim_failure_row()
+
+
+def launch_tool(main, script_file: str, cfg_cls, precisions=("fp32",), **defaults) -> None:
     """For scripts that are not training runs (model_inference.py): same config and error handling,
     main() writes its own rows."""
     script = os.path.basename(script_file)

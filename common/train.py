@@ -1,119 +1,58 @@
-"""The train loop and evaluation every script shares. A script passes in only what IS its strategy:
+"""The train loop every script shares. A script passes in only what IS its strategy, as TrainHooks:
 the (wrapped) model, the precision context, `backward(loss)`, `step()` and, for DDP, `no_sync`.
 
 Timing (what the CSV's columns mean):
   train_time_s      every training epoch, wall clock, device synchronized at both ends; excludes
-                    data set loading, evaluation, checkpoint saving and torch.compile's first call.
-  throughput_img_s  images / second over the window that starts after `timing_warmup_steps`
-                    optimizer steps and ends with the last step (synchronized at both ends); when a
-                    run is shorter than its warm-up the whole train time is used (timed_steps = 0).
+                    data set loading, the loader probe, evaluation, checkpoint saving and
+                    torch.compile's first call.
+  the timed window  opens after `timing_warmup_steps` optimizer steps (device synchronized) and
+                    closes after the last one; epoch-end work (checkpoint saves, evaluation for
+                    --target-accuracy) is paused out of it. throughput_img_s, the memory peaks,
+                    utilization and every other instrument of common/measure/ cover this window.
+                    A run with no more steps than the warm-up is timed whole (timed_steps = steps).
 The hot loop keeps loss and accuracy sums on the device: the host waits on the device only at
 progress lines (every `log_every` steps) and epoch ends.
 """
 from __future__ import annotations
 
 import math
-import os
-import random
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager
+from typing import Any
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import TrainConfig
-from .distributed import all_reduce, global_rank
-from .probes import Probes
+from .distributed import all_reduce, global_rank, reduce_metrics, synchronize
+from .measure import Instrument
+from .measure.loader import probe_loader
+from .measure.probes import Probes
+from .optim import steps_per_epoch
 
 
 class Diverged(RuntimeError):
     """Loss stayed non-finite for cfg.max_nonfinite_steps steps in a row."""
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def configure_backends(cfg: TrainConfig, device: torch.device) -> None:
-    seed_everything(cfg.seed)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv algorithms once
-        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
-        torch.backends.cudnn.allow_tf32 = cfg.tf32
-
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # --precision -> torch dtype
-
-
-def check_dtype_support(precision: str, device: torch.device) -> None:
-    """bf16 needs compute capability 8.0 (Ampere); fp16 arithmetic 5.3, tensor cores 7.0 (the
-    articles' P40 is 6.1: fp16 runs there, but no faster than fp32)."""
-    from .config import UsageError
-
-    if device.type != "cuda" or precision not in ("fp16", "bf16"):
-        return
-    major, minor = torch.cuda.get_device_capability(device)
-    name = torch.cuda.get_device_name(device)
-    if precision == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        raise UsageError(f"{name} (compute capability {major}.{minor}) has no bf16 support (needs 8.0+); "
-                         f"use --precision fp16")
-    if precision == "fp16" and (major, minor) < (5, 3):
-        raise UsageError(f"{name} (compute capability {major}.{minor}) has no fp16 arithmetic (needs 5.3+)")
-    if precision == "fp16" and major < 7 and global_rank() == 0:
-        print(f"note: {name} (compute capability {major}.{minor}) has no fp16 tensor cores: "
-              f"fp16 saves memory here but not time", file=sys.stderr)
-
-
-def optimizer_spec(cfg: TrainConfig) -> tuple[type, dict]:
-    """(class, keyword arguments): ZeroRedundancyOptimizer wants them apart."""
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW, dict(lr=cfg.lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
-    return torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-
-
-def build_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
-    cls, kwargs = optimizer_spec(cfg)
-    return cls(params, **kwargs)
-
-
-def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
-    """Linear warm-up over warmup_steps, then cosine to zero at total_steps (or constant)."""
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        if cfg.scheduler == "none":
-            return 1.0
-        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return factor
-
-
-def build_scheduler(cfg: TrainConfig, optimizer, steps_per_epoch: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, steps_per_epoch * cfg.epochs))
-
-
-def steps_per_epoch(cfg: TrainConfig, train_loader) -> int:
-    steps = len(train_loader) // cfg.grad_accum
-    return min(steps, cfg.max_steps) if cfg.max_steps else steps
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def set_epoch(loader, epoch: int) -> None:
-    target = getattr(loader, "sampler", None)
-    target = target if hasattr(target, "set_epoch") else loader
-    if hasattr(target, "set_epoch"):
-        target.set_epoch(epoch)
+@dataclass
+class TrainHooks:
+    """What a script hands to fit(): the lines that are its strategy."""
+    backward: Callable[[torch.Tensor], None]  # gets the micro-batch loss, already divided by grad_accum
+    step: Callable[[], None]  # once per optimizer step: optimizer, scaler, scheduler, zero_grad
+    device: torch.device  # this rank's device: batches, metric tensors and collectives live there
+    ctx: ContextManager = field(default_factory=nullcontext)  # autocast, or nothing
+    no_sync: Callable[[], ContextManager] = nullcontext  # DDP: accumulate micro-batches without all-reduce
+    input_dtype: torch.dtype = torch.float32  # pure half precision, FSDP and DeepSpeed feed half inputs
+    probe_devices: list[torch.device] | None = None  # GPUs this process drives (DataParallel: all of them)
+    evaluate: Callable | None = None  # accelerate: through gather_for_metrics
+    skipped_steps: Callable[[], int | None] | None = None  # fp16 overflow skips, read after training
+    optimizer: Any = None  # what holds the optimizer state (for the instruments that measure it)
 
 
 @dataclass
@@ -121,22 +60,84 @@ class Metrics:
     steps: int = 0  # optimizer steps, all epochs
     train_time_s: float = 0.0
     throughput_img_s: float = 0.0
-    timed_steps: int = 0  # optimizer steps inside the throughput window
+    timed_steps: int = 0  # optimizer steps inside the timed window
     compile_time_s: float | None = None  # torch.compile's first forward+backward, outside train_time_s
     resumed: bool = False  # training state was restored from an epoch checkpoint
     train_loss: float = float("nan")  # mean over the last epoch's samples, all ranks
     train_accuracy: float = float("nan")  # same window, augmented training images
     test_accuracy: float = float("nan")
     test_samples: int = 0
-    probes: dict = field(default_factory=dict)
+    time_to_target_s: float | None = None
+    skipped_steps: int | None = None
+    extra: dict = field(default_factory=dict)  # the instruments' columns
 
     def row(self) -> dict:
-        r = {k: v for k, v in self.__dict__.items() if k != "probes"}
-        for k in ("train_time_s", "throughput_img_s", "compile_time_s"):
+        r = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        for k in ("train_time_s", "throughput_img_s", "compile_time_s", "time_to_target_s"):
             r[k] = None if r[k] is None else round(r[k], 3)
         for k in ("train_loss", "train_accuracy", "test_accuracy"):
             r[k] = None if math.isnan(r[k]) else round(r[k], 6)
-        return {**r, **self.probes}
+        return {**r, **self.extra}
+
+
+class TimedWindow:
+    """The timed window: opens once `opens_at` optimizer steps are done, accumulates time and steps
+    across epochs, and is paused at every epoch end. Drives the instruments' hooks."""
+
+    def __init__(self, opens_at: int, device: torch.device, instruments: list[Instrument], time_s: float = 0.0,
+                 steps: int = 0):
+        self.opens_at, self.device, self.instruments = opens_at, device, instruments
+        self.time_s, self.steps = time_s, steps  # restored from a resumed run's checkpoint
+        self.started = self.running = False
+        self.t0 = 0.0
+
+    def _open(self) -> None:
+        synchronize(self.device)
+        self.t0, self.running = time.perf_counter(), True
+        if not self.started:
+            self.started = True
+            for i in self.instruments:
+                i.start()
+        else:
+            for i in self.instruments:
+                i.resume()
+
+    def epoch_start(self, steps_done: int) -> None:
+        if steps_done >= self.opens_at:
+            self._open()
+
+    def after_step(self, steps_done: int) -> None:
+        if self.running:
+            self.steps += 1
+            for i in self.instruments:
+                i.step()
+        elif steps_done == self.opens_at:
+            self._open()
+
+    def epoch_end(self) -> None:
+        """Called with the device already synchronized."""
+        if self.running:
+            self.time_s += time.perf_counter() - self.t0
+            self.running = False
+            for i in self.instruments:
+                i.pause()
+
+    def elapsed(self) -> float:
+        return self.time_s + (time.perf_counter() - self.t0 if self.running else 0.0)
+
+    def close(self) -> dict:
+        """Stops the instruments and returns their columns (a collective: every rank calls it)."""
+        row = {}
+        for i in self.instruments:
+            if self.started:
+                i.stop()
+            row.update(i.row())
+        return row
+
+
+def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks) -> list[Instrument]:
+    """Everything measured over the timed window (common/measure/)."""
+    return [Probes(hooks.probe_devices or [hooks.device], hooks.device)]
 
 
 def _to_device(x, y, device, input_dtype, channels_last):
@@ -146,122 +147,172 @@ def _to_device(x, y, device, input_dtype, channels_last):
     return x, y.to(device, non_blocking=True)
 
 
-def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, *, backward: Callable[[torch.Tensor], None],
-        step: Callable[[], None], ctx: ContextManager, device: torch.device,
-        no_sync: Callable[[], ContextManager] = nullcontext, input_dtype: torch.dtype = torch.float32,
-        probe_devices: list[torch.device] | None = None, eval_fn: Callable | None = None,
+def set_epoch(loader, epoch: int) -> None:
+    target = getattr(loader, "sampler", None)
+    target = target if hasattr(target, "set_epoch") else loader
+    if hasattr(target, "set_epoch"):
+        target.set_epoch(epoch)
+
+
+def train_mode(model: nn.Module, freeze_bn: bool) -> None:
+    model.train()
+    if freeze_bn:
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.eval()
+
+
+@dataclass
+class EpochStats:
+    loss_sum: torch.Tensor
+    correct: torch.Tensor
+    seen: int = 0
+
+
+def train_epoch(cfg: TrainConfig, net: nn.Module, loader, hooks: TrainHooks, window: TimedWindow, m: Metrics,
+                streak: torch.Tensor, epoch: int, spe: int) -> tuple[EpochStats, torch.Tensor]:
+    """One epoch of at most spe optimizer steps; returns the device-side sums and the non-finite streak."""
+    device = hooks.device
+    stats = EpochStats(torch.zeros((), dtype=torch.float64, device=device),
+                       torch.zeros((), dtype=torch.int64, device=device))
+    epoch_steps = micro = 0
+    for x, y in loader:
+        x, y = _to_device(x, y, device, hooks.input_dtype, cfg.channels_last)
+        micro += 1
+        boundary = micro % cfg.grad_accum == 0
+        with nullcontext() if boundary else hooks.no_sync():
+            with hooks.ctx:
+                logits = net(x)
+                loss = F.cross_entropy(logits.float(), y)
+            hooks.backward(loss / cfg.grad_accum)
+        loss_d = loss.detach().float()
+        streak = torch.where(torch.isfinite(loss_d), torch.zeros_like(streak), streak + 1)
+        stats.loss_sum += loss_d.double() * y.shape[0]
+        stats.correct += (logits.detach().argmax(1) == y).sum()
+        stats.seen += y.shape[0]
+        if not boundary:
+            continue
+        hooks.step()
+        m.steps += 1
+        epoch_steps += 1
+        window.after_step(m.steps)
+        if cfg.log_every and epoch_steps % cfg.log_every == 0:
+            _check_finite(streak, cfg)
+            progress(cfg, window, epoch, epoch_steps, spe, loss_d)
+        if epoch_steps >= spe:
+            break
+    return stats, streak
+
+
+def progress(cfg: TrainConfig, window: TimedWindow, epoch: int, epoch_steps: int, spe: int, loss: torch.Tensor):
+    if global_rank() != 0:
+        return
+    spent = window.elapsed()
+    rate = f" img_s={window.steps * cfg.batch_size / spent:.1f}" if window.steps and spent > 0 else ""
+    print(f"[progress] epoch={epoch + 1}/{cfg.epochs} step={epoch_steps}/{spe} loss={loss.item():.4f}{rate}",
+          flush=True)
+
+
+def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: TrainHooks,
         checkpointer=None) -> Metrics:
-    """Trains cfg.epochs epochs, then evaluates once. `backward` gets the micro-batch loss already
-    divided by grad_accum; `step` runs once per optimizer step (optimizer, scaler, scheduler, zero_grad).
-    With a checkpointer, training state is saved after every epoch (outside the timed window) and,
-    with --resume, restored before the first one."""
-    rank0 = global_rank() == 0
-    spe = steps_per_epoch(cfg, train_loader)
-    m = Metrics()
-    start_epoch, window_time, window_steps, saved = 0, 0.0, 0, None
-    if checkpointer is not None and cfg.resume:
-        saved = checkpointer.load(cfg.resume)
-        if saved is not None:
-            start_epoch, window_time, window_steps = saved["epoch"], saved["window_time"], saved["window_steps"]
-            m.steps, m.train_time_s, m.resumed = saved["steps"], saved["train_time_s"], True
-            if rank0:
-                print(f"resumed after epoch {start_epoch} (step {m.steps}) from {checkpointer.describe()}", flush=True)
+    """Trains cfg.epochs epochs, then evaluates once. With a checkpointer, training state is saved
+    after every epoch (outside the timed window) and, with --resume, restored before the first one."""
+    spe, device, m = steps_per_epoch(cfg, train_loader), hooks.device, Metrics()
+    saved = resume(cfg, checkpointer, m)
+    loader_img_s = probe_loader(train_loader, cfg, hooks)
     net = model
     if cfg.compile:
-        net, m.compile_time_s = compile_model(model, train_loader, ctx, device, input_dtype, cfg.channels_last)
-    probes = Probes(probe_devices or [device]).start()
+        net, m.compile_time_s = compile_model(model, train_loader, hooks, cfg.channels_last)
+    opens_at = cfg.timing_warmup_steps if cfg.timing_warmup_steps < spe * cfg.epochs else 0
+    window = TimedWindow(opens_at, device, build_instruments(cfg, model, hooks),
+                         *(saved["window_time"], saved["window_steps"]) if saved else ())
     streak = torch.zeros((), dtype=torch.int32, device=device)
-    for epoch in range(start_epoch, cfg.epochs):
+    for epoch in range(saved["epoch"] if saved else 0, cfg.epochs):
         set_epoch(train_loader, epoch)
-        model.train()
-        if cfg.freeze_bn:
-            for module in model.modules():
-                if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                    module.eval()
-        _sync(device)
+        train_mode(model, cfg.freeze_bn)
+        synchronize(device)
         epoch_start = time.perf_counter()
-        # the throughput window: this epoch from its start, or from the step that ends the timing warm-up
-        seg_start, seg_steps0 = (epoch_start, m.steps) if m.steps >= cfg.timing_warmup_steps else (None, 0)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        correct = torch.zeros((), dtype=torch.int64, device=device)
-        seen, epoch_steps, micro = 0, 0, 0
-        for x, y in train_loader:
-            x, y = _to_device(x, y, device, input_dtype, cfg.channels_last)
-            micro += 1
-            boundary = micro % cfg.grad_accum == 0
-            with nullcontext() if boundary else no_sync():
-                with ctx:
-                    logits = net(x)
-                    loss = F.cross_entropy(logits.float(), y)
-                backward(loss / cfg.grad_accum)
-            loss_d = loss.detach().float()
-            streak = torch.where(torch.isfinite(loss_d), torch.zeros_like(streak), streak + 1)
-            loss_sum += loss_d.double() * y.shape[0]
-            correct += (logits.detach().argmax(1) == y).sum()
-            seen += y.shape[0]
-            if not boundary:
-                continue
-            step()
-            m.steps += 1
-            epoch_steps += 1
-            if seg_start is None and m.steps == cfg.timing_warmup_steps:
-                _sync(device)
-                seg_start, seg_steps0 = time.perf_counter(), m.steps
-            if cfg.log_every and epoch_steps % cfg.log_every == 0:
-                _check_finite(streak, cfg)
-                if rank0:
-                    done = window_steps + (m.steps - seg_steps0 if seg_start is not None else 0)
-                    spent = window_time + (time.perf_counter() - seg_start if seg_start is not None else 0.0)
-                    rate = f" img_s={done * cfg.batch_size / spent:.1f}" if done and spent > 0 else ""
-                    print(f"[progress] epoch={epoch + 1}/{cfg.epochs} step={epoch_steps}/{spe} "
-                          f"loss={loss_d.item():.4f}{rate}", flush=True)
-            if epoch_steps >= spe:
-                break
-        _sync(device)
-        epoch_end = time.perf_counter()
-        m.train_time_s += epoch_end - epoch_start
-        if seg_start is not None:
-            window_time += epoch_end - seg_start
-            window_steps += m.steps - seg_steps0
+        window.epoch_start(m.steps)
+        stats, streak = train_epoch(cfg, net, train_loader, hooks, window, m, streak, epoch, spe)
+        synchronize(device)
+        m.train_time_s += time.perf_counter() - epoch_start
+        window.epoch_end()
         _check_finite(streak, cfg)
-        stats = all_reduce(torch.stack([loss_sum, correct.double(), torch.tensor(float(seen), dtype=torch.float64,
-                                                                                    device=device)]))
-        m.train_loss, m.train_accuracy = (stats[0] / stats[2]).item(), (stats[1] / stats[2]).item()
-        if checkpointer is not None and cfg.epoch_checkpoints:
-            checkpointer.save(epoch + 1, {"epoch": epoch + 1, "steps": m.steps, "train_time_s": m.train_time_s,
-                                          "window_time": window_time, "window_steps": window_steps,
-                                          "train_loss": m.train_loss, "train_accuracy": m.train_accuracy})
-    m.probes = probes.stop()
-    if window_steps:
-        m.timed_steps = window_steps
-        m.throughput_img_s = window_steps * cfg.batch_size / window_time
-    else:  # shorter than the timing warm-up: the whole training time
-        m.throughput_img_s = m.steps * cfg.batch_size / m.train_time_s if m.train_time_s else 0.0
-    if start_epoch == cfg.epochs and saved is not None:  # resumed after the last epoch: nothing left to train
+        epoch_end(cfg, model, test_loader, hooks, window, m, stats, epoch, checkpointer)
+    m.timed_steps = window.steps
+    m.throughput_img_s = window.steps * cfg.batch_size / window.time_s if window.time_s else 0.0
+    m.extra = {**window.close(), **loader_row(loader_img_s, m.throughput_img_s)}
+    if saved and saved["epoch"] == cfg.epochs:  # resumed after the last epoch: nothing left to train
         m.train_loss, m.train_accuracy = saved["train_loss"], saved["train_accuracy"]
-    m.test_accuracy, m.test_samples = (eval_fn or evaluate)(model, test_loader, ctx=ctx, device=device,
-                                                           input_dtype=input_dtype, channels_last=cfg.channels_last)
+    if math.isnan(m.test_accuracy):  # not already evaluated after the last epoch
+        m.test_accuracy, m.test_samples = run_eval(model, test_loader, hooks, cfg.channels_last)
+    m.skipped_steps = hooks.skipped_steps() if hooks.skipped_steps else None
     return m
 
 
-def compile_model(model: nn.Module, train_loader, ctx, device, input_dtype, channels_last):
+def resume(cfg: TrainConfig, checkpointer, m: Metrics) -> dict | None:
+    if checkpointer is None or not cfg.resume:
+        return None
+    saved = checkpointer.load(cfg.resume)
+    if saved is not None:
+        m.steps, m.train_time_s, m.resumed = saved["steps"], saved["train_time_s"], True
+        m.time_to_target_s = saved.get("time_to_target_s")
+        if global_rank() == 0:
+            print(f"resumed after epoch {saved['epoch']} (step {m.steps}) from {checkpointer.describe()}", flush=True)
+    return saved
+
+
+def epoch_end(cfg: TrainConfig, model, test_loader, hooks: TrainHooks, window: TimedWindow, m: Metrics,
+              stats: EpochStats, epoch: int, checkpointer) -> None:
+    """Outside the timed window: the epoch's loss and accuracy over all ranks, the evaluation that
+    --target-accuracy asks for, and the resumable state."""
+    totals = all_reduce(torch.stack([stats.loss_sum, stats.correct.double(),
+                                     torch.tensor(float(stats.seen), dtype=torch.float64, device=hooks.device)]))
+    m.train_loss, m.train_accuracy = (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+    m.test_accuracy = float("nan")
+    if cfg.target_accuracy:
+        m.test_accuracy, m.test_samples = run_eval(model, test_loader, hooks, cfg.channels_last)
+        if m.time_to_target_s is None and m.test_accuracy >= cfg.target_accuracy:
+            m.time_to_target_s = m.train_time_s
+    if checkpointer is not None and cfg.epoch_checkpoints:
+        checkpointer.save(epoch + 1, {"epoch": epoch + 1, "steps": m.steps, "train_time_s": m.train_time_s,
+                                      "window_time": window.time_s, "window_steps": window.steps,
+                                      "train_loss": m.train_loss, "train_accuracy": m.train_accuracy,
+                                      "time_to_target_s": m.time_to_target_s})
+
+
+def loader_row(loader_img_s: float | None, throughput: float) -> dict:
+    """loader_img_s, and a warning when the input pipeline is not clearly faster than training."""
+    if loader_img_s is not None and throughput and loader_img_s < 1.2 * throughput and global_rank() == 0:
+        print(f"warning: the input pipeline delivers {loader_img_s:.0f} img/s and training ran at "
+              f"{throughput:.0f} img/s: the loader may be the bottleneck (raise --workers, or --loader gpu)",
+              file=sys.stderr, flush=True)
+    return {"loader_img_s": None if loader_img_s is None else round(loader_img_s, 1)}
+
+
+def run_eval(model, test_loader, hooks: TrainHooks, channels_last: bool) -> tuple[float, int]:
+    return (hooks.evaluate or evaluate)(model, test_loader, ctx=hooks.ctx, device=hooks.device,
+                                        input_dtype=hooks.input_dtype, channels_last=channels_last)
+
+
+def compile_model(model: nn.Module, train_loader, hooks: TrainHooks, channels_last: bool):
     """torch.compile, then one forward+backward on a real batch so that compilation happens here and
     not in the timed loop. Gradients are dropped and BatchNorm statistics restored: training starts
     from exactly the state it would have had without compiling."""
-    from .checkpoint import _rng_state, _set_rng_state
+    from .checkpoint import rng_state, set_rng_state
 
     compiled = torch.compile(model)
     buffers = {k: v.clone() for k, v in model.state_dict().items() if not isinstance(v, nn.Parameter)}
-    rng = _rng_state(train_loader)  # drawing a batch advances the augmentation RNG: put it back after
+    rng = rng_state(train_loader)  # drawing a batch advances the augmentation RNG: put it back after
     x, y = next(iter(train_loader))
-    x, y = _to_device(x, y, device, input_dtype, channels_last)
+    x, y = _to_device(x, y, hooks.device, hooks.input_dtype, channels_last)
     model.train()
-    _sync(device)
+    synchronize(hooks.device)
     start = time.perf_counter()
-    with ctx:
+    with hooks.ctx:
         loss = F.cross_entropy(compiled(x).float(), y)
     loss.backward()
-    _sync(device)
+    synchronize(hooks.device)
     elapsed = time.perf_counter() - start
     for p in model.parameters():
         p.grad = None
@@ -269,13 +320,13 @@ def compile_model(model: nn.Module, train_loader, ctx, device, input_dtype, chan
         for k, v in model.state_dict().items():
             if k in buffers:
                 v.copy_(buffers[k])
-    _set_rng_state(rng, train_loader)
+    set_rng_state(rng, train_loader)
     return compiled, elapsed
 
 
 def _check_finite(streak: torch.Tensor, cfg: TrainConfig) -> None:
-    worst = all_reduce(streak.clone(), op=torch.distributed.ReduceOp.MAX)
-    if int(worst) >= cfg.max_nonfinite_steps:
+    worst = reduce_metrics({"streak": float(streak)}, streak.device, "max")["streak"]
+    if worst >= cfg.max_nonfinite_steps:
         raise Diverged(f"loss was non-finite for {int(worst)} consecutive steps")
 
 
@@ -296,31 +347,3 @@ def evaluate(model: nn.Module, loader, *, ctx: ContextManager, device: torch.dev
         count += valid.sum()
     totals = all_reduce(torch.stack([correct, count]))
     return (totals[0] / totals[1]).item() if totals[1] else float("nan"), int(totals[1])
-
-
-def strip_prefixes(state_dict: dict) -> dict:
-    """Plain torchvision keys: no 'module.' (DDP/DP), '_orig_mod.' (torch.compile) prefixes."""
-    out = {}
-    for k, v in state_dict.items():
-        for p in ("module.", "_orig_mod."):
-            while k.startswith(p):
-                k = k[len(p):]
-        out[k] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
-    return out
-
-
-def final_path(cfg: TrainConfig, script: str) -> str:
-    return os.path.join(cfg.save_dir, os.path.splitext(os.path.basename(script))[0], "model_final.pt")
-
-
-def save_final(state_dict: dict, cfg: TrainConfig, script: str) -> str:
-    """Global rank 0 writes the bare model's fp32 state_dict atomically (temporary file, then rename)."""
-    path = final_path(cfg, script)
-    if global_rank() != 0:
-        return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    sd = {k: (v.float() if torch.is_floating_point(v) else v) for k, v in strip_prefixes(state_dict).items()}
-    tmp = path + ".tmp"
-    torch.save(sd, tmp)
-    os.replace(tmp, path)
-    return path

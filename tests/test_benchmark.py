@@ -4,15 +4,13 @@ import subprocess
 import sys
 
 import pytest
+from helpers import ROOT, rows
 
-from conftest import ROOT, rows
-
+from common.registry import BY_FILE, SCRIPTS
 from common.report import write_report
 from common.results import append_row
 
-TRAINING_SCRIPTS = ["pytorch_SingleGPU.py", "pytorch_half_precision.py", "pytorch_auto_mixed_precision.py",
-                    "pytorch_DP.py", "pytorch_DDP.py", "pytorch_DDP_ZeRO.py", "pytorch_FSDP.py",
-                    "pytorch_DeepSpeed.py", "accelerate_DDP.py", "accelerate_FSDP.py", "accelerate_DeepSpeed.py"]
+TRAINING_SCRIPTS = [s.file for s in SCRIPTS]
 
 
 def bench(tmp_path, *args, timeout=900):
@@ -22,13 +20,14 @@ def bench(tmp_path, *args, timeout=900):
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_smoke_preset_end_to_end(tmp_path):
     proc = bench(tmp_path, "--preset", "smoke")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = {r["script"]: r for r in rows(tmp_path / "summary.csv")}
     assert sorted(got) == sorted(TRAINING_SCRIPTS)
     for script, r in got.items():
-        expected = "skipped" if script == "accelerate_FSDP.py" else "ok"  # accelerate's FSDP needs CUDA
+        expected = "skipped" if BY_FILE[script].needs_cuda else "ok"  # accelerate's FSDP needs CUDA
         assert r["status"] == expected, (script, r["status"], r["error"])
     assert "step 16/16" in proc.stdout and "img/s" in proc.stdout  # live progress
     report = (tmp_path / "REPORT.md").read_text()
@@ -40,6 +39,7 @@ def test_smoke_preset_end_to_end(tmp_path):
     assert "already in" in again.stdout and len(rows(tmp_path / "summary.csv")) == len(TRAINING_SCRIPTS)
 
 
+@pytest.mark.slow
 def test_failures_are_recorded_and_the_matrix_goes_on(tmp_path):
     matrix = tmp_path / "m.yaml"
     matrix.write_text("""presets:
@@ -86,11 +86,13 @@ def test_report_of_an_empty_or_missing_csv(tmp_path):
     assert "No runs yet" in (tmp_path / "R.md").read_text()
 
 
+@pytest.mark.slow
 def test_unknown_preset_one_line(tmp_path):
     proc = bench(tmp_path, "--preset", "nope")
     assert proc.returncode == 2 and "unknown preset 'nope'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", [
     ["benchmarks/loader_throughput.py", "--image-size", "64", "--batch-size", "8", "--workers", "0", "--batches", "3",
      "--warmup", "1"],
@@ -105,6 +107,7 @@ def test_benchmark_tools_run(cmd):
     assert "img/s" in proc.stdout or "ratio fit/bare" in proc.stdout
 
 
+@pytest.mark.slow
 def test_seed_preset_commands(tmp_path):
     """The articles' matrix, printed not run: launchers, process count and per-GPU batch-1 runs."""
     proc = bench(tmp_path, "--preset", "seed", "--dry-run")
@@ -115,3 +118,21 @@ def test_seed_preset_commands(tmp_path):
     assert "torchrun --nproc_per_node 2" in fsdp1 and "--batch-size 2 " in fsdp1  # 1 image per process
     assert any("deepspeed --num_gpus 2" in ln and "pytorch_DeepSpeed.py" in ln for ln in lines)
     assert all("--pretrained" in ln and "--dataset cifar10" in ln for ln in lines)
+
+
+@pytest.mark.slow
+def test_doctor_on_cpu(tmp_path):
+    """On a CPU-only machine: one line saying so, the environment, the runs, every check passing, exit 0."""
+    proc = subprocess.run([sys.executable, "benchmark.py", "doctor", "--only",
+                           "pytorch_SingleGPU.py,pytorch_DDP.py,accelerate_FSDP.py",
+                           "--results", str(tmp_path / "d.csv"), "--report", str(tmp_path / "D.md"),
+                           "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "no CUDA device: the GPU checks are skipped" in out
+    for key in ("torch", "CUDA (torch build)", "cuDNN", "NCCL", "driver", "deepspeed ops", "accelerate config"):
+        assert f"{key}:" in out
+    assert "| smoke/pytorch_DDP: GPU columns empty on CPU | pass |" in out
+    assert "| smoke/accelerate_FSDP: one row, status skipped | pass |" in out
+    assert "FAIL" not in out and ", 0 fail" in out

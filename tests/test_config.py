@@ -1,5 +1,5 @@
 import pytest
-from conftest import one_line_error, rows, run, tiny_args
+from helpers import one_line_error, rows, run, tiny_args
 
 from common.config import TrainConfig, UsageError, parse_config
 
@@ -60,6 +60,34 @@ def test_underscore_alias_for_deepspeed_launcher():
     assert (cfg.local_rank, cfg.deepspeed_config, cfg.warmup_steps) == (1, "y.json", 3)
 
 
+def test_other_tools_keys_are_ignored_unknown_keys_refused(tmp_path):
+    """The shared YAML holds training keys: inference reads past them; a key no tool knows is an error."""
+    from model_inference import InferenceConfig
+
+    path = write(tmp_path, "epochs: 3\nlr: 0.5\nmodel: resnet18\n")
+    cfg = parse_config(InferenceConfig, argv=["--config", path])
+    assert cfg.model == "resnet18" and not hasattr(cfg, "lr")
+    with pytest.raises(UsageError, match="unknown config key 'epochz'"):
+        parse_config(InferenceConfig, argv=["--config", write(tmp_path, "epochz: 3\n")])
+
+
+def test_a_field_a_script_omits_is_refused_in_its_yaml(tmp_path):
+    from dataclasses import dataclass
+
+    from common.config import DistributedConfig
+
+    @dataclass
+    class NoCompile(DistributedConfig):
+        OMIT = ("compile",)
+
+    assert parse_config(NoCompile, argv=["--config", write(tmp_path, "compile: false\n")]).compile is False
+    with pytest.raises(UsageError, match="does not support compile"):
+        parse_config(NoCompile, argv=["--config", write(tmp_path, "compile: true\n")])
+    with pytest.raises(SystemExit):
+        parse_config(NoCompile, argv=["--compile"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, words", [
     (["--bogus-flag"], "unrecognized arguments"),
     (["--epochs", "0"], "epochs must be >= 1"),
@@ -75,6 +103,7 @@ def test_bad_flags_one_line_and_results_untouched(tmp_path, extra, words):
     assert not results.exists()
 
 
+@pytest.mark.slow
 def test_bad_config_file_via_script(tmp_path):
     proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path) + ["--config", write(tmp_path, "learning_rate: 1\n")])
     assert "unknown config key 'learning_rate'" in one_line_error(proc)

@@ -138,3 +138,20 @@ def test_gpu_loader_matches_classic_pipeline(augment):
     first = torch.cat([y for _, y in gt])
     gt.set_epoch(1)
     assert not torch.equal(first, torch.cat([y for _, y in gt]))
+
+
+def test_gpu_loader_draws_augmentation_per_rank():
+    """Every sample the same (asymmetric) image: two ranks' batches can then differ only through their
+    crops and flips. One generator shared by all ranks (the defect) gives identical batches."""
+    img = np.zeros((1, 32, 32, 3), dtype=np.uint8)
+    img[0, :8, :20] = 255  # no symmetry: every crop offset and flip changes the pixels
+    images, labels = np.repeat(img, 64, axis=0), np.zeros(64, dtype=np.int64)
+    batches = []
+    for rank in range(2):
+        loader = data.GpuLoader(images, labels, 8, rank, 2, seed=0, train=True, image_size=32,
+                                device=torch.device("cpu"), augment=True)
+        batches.append(next(iter(loader))[0])
+    assert not torch.equal(batches[0], batches[1])
+    again = next(iter(data.GpuLoader(images, labels, 8, 1, 2, seed=0, train=True, image_size=32,
+                                     device=torch.device("cpu"), augment=True)))[0]
+    assert torch.equal(again, batches[1])  # still a function of (seed, epoch, rank)

@@ -11,7 +11,9 @@ about lr x |grad| ~ 1e-2, a hundred times more, so the test still catches it.
 """
 import pytest
 import torch
-from conftest import check_ok, rows, run, tiny_args
+from helpers import check_ok, rows, run, tiny_args
+
+pytestmark = pytest.mark.slow
 
 TOLERANCE = 1e-4
 
@@ -31,11 +33,15 @@ def args(tmp_path):
     return tiny_args(tmp_path, train_samples=96, batch_size=16, augment=False, freeze_bn=True, warmup_steps=0)
 
 
-@pytest.mark.parametrize("script", ["pytorch_DDP.py", "pytorch_DDP_ZeRO.py", "pytorch_FSDP.py",
-                                    "pytorch_DeepSpeed.py"])
-def test_same_weights_as_one_process(tmp_path, reference, script):
+@pytest.mark.parametrize("script, extra", [
+    ("pytorch_DDP.py", []), ("pytorch_DDP_ZeRO.py", []), ("pytorch_FSDP.py", []), ("pytorch_DeepSpeed.py", []),
+    # 2 ranks x 2 accumulated micro-batches of 4: the loss of each micro-batch must be divided by 2
+    # before backward, else the summed gradient is twice the one-process gradient
+    ("pytorch_DDP.py", ["--grad-accum", "2"]),
+], ids=["ddp", "ddp_zero", "fsdp", "deepspeed", "ddp_grad_accum"])
+def test_same_weights_as_one_process(tmp_path, reference, script, extra):
     ref_sd, ref_loss = reference
-    check_ok(run(script, args(tmp_path), nproc=2, launcher="torchrun"))
+    check_ok(run(script, args(tmp_path) + extra, nproc=2, launcher="torchrun"))
     sd = final(tmp_path, script)
     diff = max((sd[k].float() - ref_sd[k].float()).abs().max().item() for k in ref_sd)
     moved = max((ref_sd[k].float() - final_init(k, ref_sd)).abs().max().item() for k in ("fc.weight",))
@@ -50,7 +56,7 @@ def final_init(key, ref_sd):
     """The head's initial weights (seed 0), to check that the runs moved far more than the tolerance."""
     from common.config import TrainConfig
     from common.models import build_model
-    from common.train import seed_everything
+    from common.precision import seed_everything
 
     seed_everything(0)
     return build_model(TrainConfig(model="resnet18", pretrained=False)).state_dict()[key]

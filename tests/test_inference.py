@@ -8,10 +8,10 @@ wrong export (missing normalization, wrong layout, dropped layer) moves them by 
 import pytest
 import torch
 import torchvision
-from conftest import check_ok, one_line_error, rows, run, tiny_args
+from helpers import check_ok, one_line_error, rows, run, tiny_args
 
 MAX_DIFF = 1e-3
-INFER = ["--device", "cpu", "--dataset", "synthetic", "--no-pretrained", "--model", "resnet18", "--image-size", "32",
+INFER = ["--device", "cpu", "--dataset", "synthetic", "--model", "resnet18", "--image-size", "32",
          "--test-samples", "37", "--workers", "0", "--latency-iters", "3", "--throughput-iters", "2",
          "--batch-size", "16", "--warmup-iters", "1"]
 
@@ -25,6 +25,7 @@ def trained(tmp_path_factory):
     return tmp, {r["script"]: float(r["test_accuracy"]) for r in rows(tmp / "summary.csv")}
 
 
+@pytest.mark.slow
 def test_every_checkpoint_gives_the_training_runs_accuracy(trained, tmp_path):
     tmp, accuracy = trained
     out = tmp_path / "inference.csv"
@@ -37,15 +38,23 @@ def test_every_checkpoint_gives_the_training_runs_accuracy(trained, tmp_path):
         assert 0 < float(r["latency_ms_p50"]) <= float(r["latency_ms_p90"]) and float(r["throughput_img_s"]) > 0
 
 
-def test_onnx_parity(trained, tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("precision, loader", [("fp32", "torch"), ("bf16", "gpu")])
+def test_onnx_parity(trained, tmp_path, precision, loader):
+    """fp32: parity within MAX_DIFF. bf16: the export works from a bf16 model (the export is of an
+    fp32 copy; the measured model keeps its dtype) and parity is against that bf16 model, so the
+    difference is bf16's rounding (~1e-2 on these logits), not an export error. --loader gpu runs
+    the device-side pipeline (here on the CPU): its validity mask lives with its tensors."""
     tmp, accuracy = trained
     out = tmp_path / "inference.csv"
     ckpt = tmp / "ckpt" / "pytorch_DDP" / "model_final.pt"
-    check_ok(run("model_inference.py", ["--checkpoint", str(ckpt), "--results", str(out), "--onnx"] + INFER))
+    check_ok(run("model_inference.py", ["--checkpoint", str(ckpt), "--results", str(out), "--onnx",
+                                        "--precision", precision, "--loader", loader] + INFER))
     torch_row, ort_row = rows(out)
+    assert torch_row["precision"] == precision and int(torch_row["test_samples"]) == 37
     assert ort_row["backend"] == "onnxruntime:CPUExecutionProvider" and ort_row["onnx_opset"] == "18"
-    assert float(ort_row["max_abs_diff"]) < MAX_DIFF
-    assert float(ort_row["top1_agreement"]) >= 0.99
+    assert float(ort_row["max_abs_diff"]) < (MAX_DIFF if precision == "fp32" else 0.25)
+    assert float(ort_row["top1_agreement"]) >= (0.99 if precision == "fp32" else 0.9)
     assert float(ort_row["test_accuracy"]) == pytest.approx(float(torch_row["test_accuracy"]), abs=1 / 37 + 1e-9)
     import onnx
     model = onnx.load(str(ckpt).replace(".pt", ".onnx"))
@@ -56,23 +65,37 @@ def test_onnx_parity(trained, tmp_path):
 @pytest.mark.parametrize("make, words", [
     (lambda p: p.write_bytes(b"garbage bytes"), "is not a PyTorch checkpoint"),
     (lambda p: torch.save({"epoch": 3}, p), "is not a plain state_dict"),
-    (lambda p: torch.save(torchvision.models.resnet34(num_classes=10).state_dict(), p), "does not fit --model resnet18"),
+    (lambda p: torch.save(torchvision.models.resnet34(num_classes=10).state_dict(), p),
+     "does not fit --model resnet18"),
     (lambda p: torch.save(torchvision.models.resnet18().state_dict(), p), "another class count"),
 ])
 def test_bad_checkpoints(tmp_path, make, words):
-    from common.config import TrainConfig, UsageError
-    from model_inference import load_checkpoint
+    from common.config import UsageError
+    from model_inference import InferenceConfig, load_checkpoint
 
     path = tmp_path / "model_final.pt"
     make(path)
     with pytest.raises(UsageError, match=words):
-        load_checkpoint(str(path), TrainConfig(model="resnet18", pretrained=False))
+        load_checkpoint(str(path), InferenceConfig(model="resnet18"))
+
+
+def test_loading_a_checkpoint_never_fetches_pretrained_weights(tmp_path, monkeypatch):
+    from model_inference import InferenceConfig, load_checkpoint
+
+    def no_network(*a, **k):
+        raise AssertionError("tried to fetch ImageNet weights")
+    monkeypatch.setattr(torchvision.models, "get_model_weights", no_network)
+    path = tmp_path / "model_final.pt"
+    torch.save(torchvision.models.resnet18(num_classes=10).state_dict(), path)
+    model, _ = load_checkpoint(str(path), InferenceConfig(model="resnet18"))
+    assert sum(p.numel() for p in model.parameters()) == 11_181_642
 
 
 @pytest.mark.parametrize("make, words", [
     (lambda p: p.write_bytes(b"garbage bytes"), "is not a PyTorch checkpoint"),
     (None, "checkpoint not found"),
 ])
+@pytest.mark.slow
 def test_bad_checkpoint_one_line_no_row(tmp_path, make, words):
     path = tmp_path / "model_final.pt"
     if make:

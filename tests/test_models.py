@@ -44,8 +44,11 @@ def test_unknown_model():
 
 
 def test_probes_empty_on_cpu():
-    from common.probes import Probes
-    values = Probes([torch.device("cpu")]).start().stop()
+    from common.measure.probes import Probes
+    probes = Probes([torch.device("cpu")], torch.device("cpu"))
+    probes.start()
+    probes.stop()
+    values = probes.row()
     assert set(values) == {"peak_allocated_gib", "peak_reserved_gib", "peak_nvml_gib", "gpu_util_mean",
                            "gpu_util_peak"}
     assert all(v is None for v in values.values())

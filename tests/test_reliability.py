@@ -3,17 +3,17 @@ import sys
 
 import pytest
 import torch
+from helpers import check_ok, one_line_error, rows, run, tiny_args
 
 from common import runner
 from common.results import COLUMNS
-from conftest import check_ok, one_line_error, rows, run, tiny_args
 
 
 def run_launch(monkeypatch, tmp_path, main):
     monkeypatch.setattr(sys, "argv", ["x.py", "--results", str(tmp_path / "s.csv"), "--model", "resnet18",
                                       "--batch-size", "64"])
     with pytest.raises(SystemExit) as exc:
-        runner.launch(main, "pytorch_SingleGPU.py", strategy="single")
+        runner.launch(main, "pytorch_SingleGPU.py")
     return exc.value.code, rows(tmp_path / "s.csv")
 
 
@@ -22,7 +22,7 @@ def test_out_of_memory_is_a_row_and_exit_4(monkeypatch, tmp_path, capsys):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     code, got = run_launch(monkeypatch, tmp_path, main)
     assert code == 4 and len(got) == 1 and got[0]["status"] == "oom" and got[0]["global_batch_size"] == "64"
-    assert "out of memory at global batch 64" in capsys.readouterr().err
+    assert "out of memory on rank 0 at global batch 64" in capsys.readouterr().err
 
 
 def test_unexpected_failure_is_a_failed_row(monkeypatch, tmp_path):
@@ -32,6 +32,38 @@ def test_unexpected_failure_is_a_failed_row(monkeypatch, tmp_path):
     assert code == 1 and got[0]["status"] == "failed" and "NCCL watchdog timeout" in got[0]["error"]
 
 
+INJECT_OOM = """
+import os
+if os.environ.get("RANK") == "1":  # an OOM on rank 1 at its second forward, injected for the test
+    import torch
+    import torch.nn.functional as F
+    _ce, _calls = F.cross_entropy, [0]
+
+    def cross_entropy(*args, **kwargs):
+        _calls[0] += 1
+        if _calls[0] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected on rank 1)")
+        return _ce(*args, **kwargs)
+    F.cross_entropy = cross_entropy
+"""
+
+
+@pytest.mark.slow
+def test_out_of_memory_on_another_rank_than_0_is_an_oom_row(tmp_path):
+    """Rank 1 runs out of memory while rank 0 waits in the gradient all-reduce: the run still gets
+    exactly one row, and it says oom (rank 0 alone would only have seen its peer vanish: failed)."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(INJECT_OOM)
+    proc = run("pytorch_DDP.py", tiny_args(tmp_path), nproc=2, launcher="torchrun",
+               env={"PYTHONPATH": str(inject)})
+    assert proc.returncode != 0
+    (row,) = rows(tmp_path / "summary.csv")
+    assert row["status"] == "oom" and "injected on rank 1" in row["error"], row
+    assert "out of memory on rank 1" in proc.stderr
+
+
+@pytest.mark.slow
 def test_divergence_stops_the_run_with_a_row(tmp_path):
     proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path, lr=1e30, max_nonfinite_steps=2, log_every=1))
     assert proc.returncode == 3 and "Traceback" not in proc.stderr
@@ -39,6 +71,7 @@ def test_divergence_stops_the_run_with_a_row(tmp_path):
     assert row["status"] == "diverged" and "non-finite" in row["error"]
 
 
+@pytest.mark.slow
 def test_foreign_summary_csv_is_refused_before_training_and_kept(tmp_path):
     path = tmp_path / "summary.csv"
     path.write_text("name,score\nalice,3\n")
@@ -48,12 +81,14 @@ def test_foreign_summary_csv_is_refused_before_training_and_kept(tmp_path):
     assert not (tmp_path / "ckpt").exists()  # refused before any training
 
 
+@pytest.mark.slow
 def test_distributed_script_without_launcher_runs_as_world_of_one(tmp_path):
     check_ok(run("pytorch_DDP.py", tiny_args(tmp_path)))
     (row,) = rows(tmp_path / "summary.csv")
     assert row["world_size"] == "1" and row["status"] == "ok" and list(row) == COLUMNS
 
 
+@pytest.mark.slow
 def test_cifar_missing_offline_through_the_script(tmp_path):
     args = [a for a in tiny_args(tmp_path) if a != "synthetic"]
     args[args.index("--dataset") + 1:args.index("--dataset") + 1] = ["cifar10"]

@@ -38,7 +38,8 @@ def test_concurrent_appends_keep_every_row(tmp_path):
         pool.map(_writer, [(path, i) for i in range(4)])
     got = read_rows(path)
     assert len(got) == 80
-    assert sorted((r["script"], int(r["steps"])) for r in got) == sorted((f"w{i}", j) for i in range(4) for j in range(20))
+    expected = sorted((f"w{i}", j) for i in range(4) for j in range(20))
+    assert sorted((r["script"], int(r["steps"])) for r in got) == expected
     assert all(r["error"] == "comma, \"quote\"\nnewline" for r in got)
 
 
@@ -75,3 +76,30 @@ def test_results_folder_cannot_be_made(tmp_path):
     blocker.write_text("x")
     with pytest.raises(UsageError, match="cannot be created"):
         append_row(str(blocker / "s.csv"), {"script": "x"})
+
+
+def test_a_results_file_of_the_previous_release_is_upgraded_not_refused(tmp_path):
+    from common.results import HISTORY
+
+    old = HISTORY[-1]
+    path = tmp_path / "summary.csv"
+    original = ",".join(old) + "\n" + ",".join("x" if c == "script" else ("ok" if c == "status" else "")
+                                              for c in old) + "\n"
+    path.write_text(original)
+    assert read_rows(str(path))[0]["script"] == "x"  # readable before the upgrade, new columns empty
+    append_row(str(path), {"script": "y", "status": "ok", "cuda_version": "13.0"})
+    lines = path.read_text().splitlines()
+    assert lines[0] == ",".join(COLUMNS) and len(lines) == 3
+    got = read_rows(str(path))
+    assert [r["script"] for r in got] == ["x", "y"] and got[0]["status"] == "ok" and got[1]["cuda_version"] == "13.0"
+    assert (tmp_path / "summary.csv.bak").read_text() == original  # the original kept beside it
+    append_row(str(path), {"script": "z", "status": "ok"})  # already current: no second backup
+    assert not (tmp_path / "summary.csv.bak1").exists() and len(read_rows(str(path))) == 3
+
+
+def test_every_older_header_is_a_prefix_free_subset_of_the_current():
+    """An upgrade only adds columns: each earlier header's columns are all still written."""
+    from common.results import HISTORY
+
+    for old in HISTORY:
+        assert set(old) <= set(COLUMNS) and old != COLUMNS

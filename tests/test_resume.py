@@ -7,11 +7,12 @@ import sys
 import time
 
 import pytest
-
-from conftest import BIN, ROOT, check_ok, free_port, one_line_error, rows, run, tiny_args
+from helpers import BIN, ROOT, check_ok, free_port, one_line_error, rows, run, tiny_args
 
 CASES = [("pytorch_SingleGPU.py", 1), ("accelerate_DeepSpeed.py", 2),
          ("pytorch_DDP_ZeRO.py", 2), ("pytorch_FSDP.py", 2), ("pytorch_DeepSpeed.py", 2)]
+
+pytestmark = pytest.mark.slow
 
 
 def args(tmp_path, script):

@@ -1,0 +1,1 @@
+"""The benchmark matrix and the tools around it (doctor)."""

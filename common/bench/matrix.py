@@ -1,0 +1,254 @@
+"""The benchmark matrix: presets of config/benchmark.yaml expanded over the registry, one fresh
+process (group) per run with the launcher its script needs, every outcome a CSV row.
+
+A preset has common `args`, a `timeout_s`, `scripts: all` (one run per registry script, with the
+registry's preset_args) and `runs`: an entry without `name` changes the default run of its script,
+an entry with a `name` adds a run. `gpu_args` / `cpu_args` apply on that hardware only, and
+`gpu_only: true` (or the registry's needs_cuda) records a run as skipped on a CPU-only machine.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import yaml
+
+from ..config import PROJECT_ROOT, DistributedConfig, UsageError, resolve, to_flags
+from ..distributed import free_port
+from ..registry import BY_FILE, SCRIPTS
+from ..results import append_row, read_rows
+
+EXIT_STATUS = {3: "diverged", 4: "oom"}
+PROGRESS = re.compile(r"\[progress\] epoch=(\S+) step=(\S+) loss=(\S+)(?: img_s=(\S+))?")
+
+
+def hardware() -> tuple[int, str]:
+    import torch
+
+    from ..runner import device_name
+
+    gpus = torch.cuda.device_count()
+    return gpus, device_name(torch.device("cuda", 0) if gpus else torch.device("cpu"))
+
+
+def processes(script: str, gpus: int) -> int:
+    """Processes a run of `script` starts: one per GPU (2 gloo processes without GPUs) for the
+    distributed scripts, one for the rest."""
+    if not BY_FILE[script].distributed:
+        return 1
+    return gpus if gpus else 2
+
+
+def _entries(spec: dict, path: str) -> list[dict]:
+    """The preset's run entries: the registry's default runs (scripts: all), changed or extended by `runs`."""
+    runs = list(spec.get("runs") or [])
+    for r in runs:
+        if r.get("script") not in BY_FILE:
+            raise UsageError(f"{path}: run {r} names no script of common/registry.py")
+    if spec.get("scripts") != "all":
+        return runs
+    out = []
+    for s in SCRIPTS:
+        base = {"script": s.file, "args": dict(s.preset_args), "cpu_args": dict(s.cpu_preset_args),
+                "gpu_only": s.needs_cuda}
+        for r in runs:
+            if r["script"] == s.file and "name" not in r:  # changes the default run
+                base = {**base, **{k: v for k, v in r.items() if k not in ("args", "cpu_args", "gpu_args")},
+                        "args": {**base["args"], **r.get("args", {})},
+                        "cpu_args": {**base["cpu_args"], **r.get("cpu_args", {})}, "gpu_args": r.get("gpu_args", {})}
+        out.append(base)
+        out += [r for r in runs if r["script"] == s.file and "name" in r]
+    return out
+
+
+def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int) -> list[dict]:
+    with open(path) as fh:
+        presets = yaml.safe_load(fh)["presets"]
+    if preset not in presets:
+        raise UsageError(f"unknown preset '{preset}'; {path} has: {', '.join(presets)}")
+    spec = presets[preset]
+    runs, names = [], set()
+    for run in _entries(spec, path):
+        script = run["script"]
+        if only and script not in only and run.get("name") not in only:
+            continue
+        name = f"{preset}/{run.get('name', script[:-3])}"
+        if name in names:
+            raise UsageError(f"{path}: run name {name} appears twice; give one a 'name'")
+        names.add(name)
+        args = {**spec.get("args", {}), **run.get("args", {}), **run.get("gpu_args" if gpus else "cpu_args", {})}
+        runs.append({"name": name, "script": script, "args": args, "nproc": processes(script, gpus),
+                     "gpu_only": run.get("gpu_only", False) or BY_FILE[script].needs_cuda,
+                     "timeout_s": run.get("timeout_s", spec.get("timeout_s", 3600))})
+    if only:
+        unknown = set(only) - {r["script"] for r in runs} - {r["name"].split("/", 1)[1] for r in runs}
+        if unknown:
+            raise UsageError(f"--only: {', '.join(sorted(unknown))} not in preset {preset}")
+    return runs
+
+
+def visible_gpu_ids() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as a list of ids, or None when unset."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def launcher(script: str, nproc: int, gpus: int, port: int) -> list[str]:
+    """The launcher command for one run. The GPUs are those CUDA_VISIBLE_DEVICES leaves visible,
+    for every launcher alike:
+      torchrun, accelerate launch  inherit CUDA_VISIBLE_DEVICES and number the visible GPUs 0..n-1;
+      deepspeed                    deletes CUDA_VISIBLE_DEVICES when given --num_gpus and then uses
+                                   GPUs 0..n-1 of the whole machine (deepspeed/launcher/runner.py:
+                                   "ignoring it because one or several of --include/--exclude/
+                                   --num_gpus/--num_nodes cl args were used"); --include
+                                   localhost:<the visible ids> keeps the same GPUs. Ids that are
+                                   not integers (GPU-/MIG- UUIDs) cannot be named that way: such a
+                                   run goes through torchrun, which pytorch_DeepSpeed.py supports."""
+    s, bindir = BY_FILE[script], os.path.dirname(sys.executable)
+    if s.launcher == "deepspeed":
+        ids = visible_gpu_ids()
+        if not gpus:
+            return [os.path.join(bindir, "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port)]
+        if ids is None:
+            return [os.path.join(bindir, "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port)]
+        if all(i.isdigit() for i in ids):
+            return [os.path.join(bindir, "deepspeed"), "--include", "localhost:" + ",".join(ids[:nproc]),
+                    "--master_port", str(port)]
+    if s.launcher == "accelerate" and gpus:
+        return [os.path.join(bindir, "accelerate"), "launch", "--config_file", s.accelerate_config,
+                "--num_processes", str(nproc), "--main_process_port", str(port)]
+    # torchrun; also accelerate on CPU, where `accelerate launch --cpu --num_processes 2` starts one process
+    return [os.path.join(bindir, "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port)]
+
+
+def command(run: dict, gpus: int, results: str) -> tuple[list[str], int]:
+    script, nproc = run["script"], run["nproc"]
+    # "{world}" in a value is the process count: per-GPU batch 1 is batch_size: "{world}"
+    values = {k: v.format(world=nproc) if isinstance(v, str) else v for k, v in run["args"].items()}
+    args = to_flags({**values, "results": results, "run_name": run["name"]})
+    if not BY_FILE[script].distributed:
+        return [sys.executable, script] + args, (max(gpus, 1) if BY_FILE[script].one_process_gpus else 1)
+    return launcher(script, nproc, gpus, free_port()) + [script] + args, nproc
+
+
+def run_env(nproc: int) -> dict:
+    """The environment of a run. OMP_NUM_THREADS is set explicitly, the same rule for every launcher:
+    torchrun and accelerate launch set 1 for several processes, deepspeed sets nothing, so CPU-side
+    work (dataloading in the main process, an offloaded optimizer step) would otherwise get other
+    thread counts under different launchers. A value the user exported is kept."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc))))
+    return env
+
+
+def _reader(stream, q):
+    for line in iter(stream.readline, ""):
+        q.put(line)
+    q.put(None)
+
+
+def last_error_line(lines: list[str]) -> str:
+    for line in reversed(lines):
+        if re.search(r"error|Error|exception|Killed", line) and "elastic" not in line:
+            return line.strip()[:300]
+    return next((ln.strip() for ln in reversed(lines) if ln.strip()), "")[:300]
+
+
+def execute(run: dict, i: int, n: int, gpus: int, results: str, log_dir: str, t0: float) -> tuple[int, str, list[str]]:
+    cmd, nproc = command(run, gpus, results)
+    os.makedirs(log_dir, exist_ok=True)
+    log_path = os.path.join(log_dir, run["name"].replace("/", "__") + ".log")
+    start = time.time()
+    name = os.path.basename(cmd[0]) if BY_FILE[run["script"]].distributed else "python"
+    print(f"[{i}/{n}] {run['name']} ({name} x{nproc})", flush=True)
+    lines: list[str] = []
+    with open(log_path, "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=run_env(nproc), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        q: queue.Queue = queue.Queue()
+        threading.Thread(target=_reader, args=(proc.stdout, q), daemon=True).start()
+        timed_out = False
+        while True:
+            try:
+                line = q.get(timeout=1.0)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break
+            if line:
+                log.write(line)
+                lines = (lines + [line])[-200:]
+                m = PROGRESS.search(line)
+                if m:
+                    rate = f" {float(m.group(4)):.1f} img/s" if m.group(4) else ""
+                    print(f"    {time.time() - start:6.0f}s run, {time.time() - t0:6.0f}s total | epoch {m.group(1)} "
+                          f"step {m.group(2)} loss {m.group(3)}{rate}", flush=True)
+            if time.time() - start > run["timeout_s"] and not timed_out:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGTERM)
+                threading.Timer(10, lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGKILL)).start()
+        code = proc.wait()
+    status = "timeout" if timed_out else ("ok" if code == 0 else EXIT_STATUS.get(code, "failed"))
+    print(f"    -> {status} in {time.time() - start:.0f}s (log: {os.path.relpath(log_path, PROJECT_ROOT)})", flush=True)
+    return code, status, lines
+
+
+def record_missing(run: dict, status: str, error: str, results: str, gpus: int) -> None:
+    """The script could not write its own row (killed, crashed before the end, timed out): the row
+    it would have started, from the same config resolution and row builder the scripts use."""
+    from ..runner import base_row
+
+    s = BY_FILE[run["script"]]
+    values = {k: v.format(world=run["nproc"]) if isinstance(v, str) else v for k, v in run["args"].items()}
+    try:
+        cfg = resolve(DistributedConfig, {**values, "run_name": run["name"], "results": results})
+    except (UsageError, TypeError):  # the run's own flags are what failed: keep what is known
+        cfg = resolve(DistributedConfig, {"run_name": run["name"], "results": results})
+    row = base_row(cfg, s.file, s.strategy, s.libraries)
+    used = command(run, gpus, results)[1]
+    append_row(results, {**row, "world_size": used, "num_devices": used, "status": status, "error": error,
+                         "cpu_threads": None})
+
+
+def done_rows(results: str, run: dict, device: str) -> list[dict]:
+    return [r for r in read_rows(results) if r["run_name"] == run["name"] and r["device_name"] == device]
+
+
+def run_matrix(opts) -> int:
+    gpus, device = hardware()
+    only = [s.strip() for s in opts.only.split(",")] if opts.only else None
+    runs = getattr(opts, "runs", None) or load_matrix(opts.matrix, opts.preset, only, gpus)
+    from ..results import check_results_path
+
+    check_results_path(opts.results)
+    print(f"preset {opts.preset}: {len(runs)} runs on {device} ({gpus} GPUs)" if gpus else
+          f"preset {opts.preset}: {len(runs)} runs on {device} (no GPU: 2 gloo processes per distributed run)")
+    t0 = time.time()
+    failures = 0
+    for i, run in enumerate(runs, 1):
+        done = done_rows(opts.results, run, device)
+        if not opts.force and any(r["status"] in ("ok", "skipped") for r in done):
+            print(f"[{i}/{len(runs)}] {run['name']}: already in {opts.results}, skipped (--force to rerun)")
+            continue
+        if opts.dry_run:
+            print(" ".join(command(run, gpus, opts.results)[0]))
+            continue
+        if run["gpu_only"] and not gpus:
+            print(f"[{i}/{len(runs)}] {run['name']}: needs a GPU, recorded as skipped")
+            record_missing(run, "skipped", "needs CUDA devices (see README)", opts.results, gpus)
+            continue
+        code, status, lines = execute(run, i, len(runs), gpus, opts.results, opts.log_dir, t0)
+        if len(done_rows(opts.results, run, device)) == len(done):
+            record_missing(run, status if status != "ok" else "failed", last_error_line(lines), opts.results, gpus)
+        failures += status != "ok"
+    print(f"matrix done in {time.time() - t0:.0f}s, {failures} run(s) not ok")
+    return failures

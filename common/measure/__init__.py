@@ -1,0 +1,35 @@
+"""The measuring instruments, one small module each: what the training loop is measured with.
+
+Every instrument follows one protocol (`Instrument`) over the timed window that common/train.py
+opens after the timing warm-up: start() when the window opens (device synchronized), pause() and
+resume() around work that is not training (epoch-end checkpoint saves), step() after every
+optimizer step inside the window, stop() when training ends, and row() for its CSV columns,
+reduced over ranks (row() is a collective: every rank calls it).
+
+    probes.py       GPU memory peaks (torch.cuda, NVML) and utilization
+    fingerprint.py  software and driver versions of the row
+    loader.py       the input pipeline's own throughput, measured before training
+"""
+from __future__ import annotations
+
+
+class Instrument:
+    """Base class: every hook is optional."""
+
+    def start(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def row(self) -> dict:
+        return {}

@@ -1,0 +1,125 @@
+"""The one table of training scripts. benchmark.py (launchers, presets), the runner (strategy,
+precisions), the tests' parametrization and the README's script table all read it: adding a
+strategy is its script plus one line here.
+
+Fields:
+  file         the top-level script (also the CSV's `script` value and the checkpoint folder name)
+  strategy     the CSV's `strategy` (a script may refine it per run: fsdp_full-shard, deepspeed_zero3)
+  launcher     how it starts on GPUs: python (one process), torchrun, deepspeed, accelerate
+  precisions   --precision values it accepts, its default first
+  shows        one line for the README: what the run demonstrates
+  accelerate_config / deepspeed_config   the launcher config it is started with (accelerate launch
+               --config_file) / the DeepSpeed JSON it uses by default
+  needs_cuda   True when it cannot run on CPU at all (it refuses in one line there)
+  one_process_gpus  True when one process drives every visible GPU (DataParallel): world_size is
+               the GPUs it used, and benchmark.py starts it with plain python
+  preset_args / cpu_preset_args  flags every preset adds for this script (all hardware / CPU only)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .config import PROJECT_ROOT
+
+ALL_PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class Script:
+    file: str
+    strategy: str
+    launcher: str
+    precisions: tuple[str, ...]
+    shows: str
+    accelerate_config: str | None = None
+    deepspeed_config: str | None = None
+    needs_cuda: bool = False
+    one_process_gpus: bool = False
+    preset_args: dict = field(default_factory=dict)
+    cpu_preset_args: dict = field(default_factory=dict)
+
+    @property
+    def distributed(self) -> bool:
+        """Started as one process per GPU by a launcher (else plain python, one process)."""
+        return self.launcher != "python"
+
+    @property
+    def libraries(self) -> tuple[str, ...]:
+        """The training libraries beside torch it runs on (their versions go into the row)."""
+        return (("deepspeed",) if self.deepspeed_config else ()) + (("accelerate",) if self.launcher == "accelerate"
+                                                                     else ())
+
+    @property
+    def name(self) -> str:
+        return self.file[:-3]
+
+
+_HALF = dict(preset_args={"precision": "fp16"}, cpu_preset_args={"precision": "bf16"})  # fp16 is emulated on CPU
+
+SCRIPTS = [
+    Script("pytorch_SingleGPU.py", "single", "python", ("fp32",),
+           "one device, fp32 (`--tf32` for TF32 math): the baseline"),
+    Script("pytorch_half_precision.py", "single", "python", ("fp16", "bf16"),
+           "whole model in fp16/bf16 (`--bn-fp32`, `--loss-scale S`): why pure half loses accuracy", **_HALF),
+    Script("pytorch_auto_mixed_precision.py", "single", "python", ("fp16", "bf16"),
+           "autocast + GradScaler (fp16) / autocast (bf16): the fix for pure half", **_HALF),
+    Script("pytorch_DP.py", "dp", "python", ("fp32",),
+           "`nn.DataParallel` over every visible GPU from one process", one_process_gpus=True),
+    Script("pytorch_DDP.py", "ddp", "torchrun", ALL_PRECISIONS,
+           "DDP (`--sync-bn`, `--grad-accum N` with `no_sync`, `--precision` as autocast)"),
+    Script("pytorch_DDP_ZeRO.py", "ddp_zero", "torchrun", ALL_PRECISIONS,
+           "DDP + `ZeroRedundancyOptimizer` (optimizer state sharded)"),
+    Script("pytorch_FSDP.py", "fsdp", "torchrun", ALL_PRECISIONS,
+           "FSDP2 `fully_shard` per ResNet block (`--sharding`, `--cpu-offload`)"),
+    Script("pytorch_DeepSpeed.py", "deepspeed", "deepspeed", ALL_PRECISIONS,
+           "DeepSpeed ZeRO 1/2/3 from the JSON (`--deepspeed_config`, `--offload`)",
+           deepspeed_config="config/zero_stage2_config.json"),
+    Script("accelerate_DDP.py", "accelerate_ddp", "accelerate", ALL_PRECISIONS,
+           "accelerate, DDP underneath", accelerate_config="config/default_DDP.yml"),
+    Script("accelerate_FSDP.py", "accelerate_fsdp", "accelerate", ALL_PRECISIONS,
+           "accelerate FSDP2, wrap classes derived from the model", accelerate_config="config/default_FSDP.yml",
+           needs_cuda=True),
+    Script("accelerate_DeepSpeed.py", "accelerate_deepspeed", "accelerate", ALL_PRECISIONS,
+           "accelerate + DeepSpeed ZeRO from the JSON the YAML names", accelerate_config="config/default_DeepSpeed.yml",
+           deepspeed_config="config/zero_stage2_config.json"),
+]
+BY_FILE = {s.file: s for s in SCRIPTS}
+
+
+def script(file: str) -> Script:
+    """The entry of a script path or name (pytorch_DDP.py, ./pytorch_DDP.py, pytorch_DDP)."""
+    base = os.path.basename(file)
+    return BY_FILE[base if base.endswith(".py") else base + ".py"]
+
+
+def top_level_scripts() -> list[str]:
+    """The training scripts on disk: what the registry must list."""
+    return sorted(f for f in os.listdir(PROJECT_ROOT)
+                  if f.endswith(".py") and f.startswith(("pytorch_", "accelerate_")))
+
+
+def gpu_command(s: Script, gpus: int = 4) -> str:
+    return {"python": f"python {s.file}",
+            "torchrun": f"torchrun --nproc_per_node {gpus} {s.file}",
+            "deepspeed": f"deepspeed --num_gpus {gpus} {s.file}",
+            "accelerate": f"accelerate launch --config_file {s.accelerate_config} {s.file}"}[s.launcher]
+
+
+def cpu_command(s: Script) -> str:
+    if s.needs_cuda:
+        return "refuses: needs CUDA"
+    flags = "--device cpu ..." + (" --precision bf16" if "fp32" not in s.precisions else "")
+    if not s.distributed:
+        return f"python {s.file} {flags}"
+    launcher = "deepspeed --num_gpus 2" if s.launcher == "deepspeed" else "torchrun --nproc_per_node 2"
+    return f"{launcher} {s.file} {flags}"
+
+
+def readme_table() -> str:
+    """The README's script table (between its `scripts` markers), written by `benchmark.py report`."""
+    lines = ["| script | strategy | precisions | GPU launch | CPU launch (CI) |", "|---|---|---|---|---|"]
+    for s in SCRIPTS:
+        lines.append(f"| `{s.file}` | {s.shows} | {', '.join(s.precisions)} | `{gpu_command(s)}` | "
+                     + (cpu_command(s) if s.needs_cuda else f"`{cpu_command(s)}`") + " |")
+    return "\n".join(lines)

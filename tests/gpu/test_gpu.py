@@ -1,0 +1,151 @@
+"""What a GPU machine must show before its figures are trusted. Run first on any new GPU machine:
+
+    python -m pytest -m gpu tests -x -q          # about 10-20 minutes on one modern GPU
+
+Written and reviewed against the libraries' sources without a GPU to run them on: a failure here is
+the first contact of the CUDA paths with hardware, and says exactly which invariant broke.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torchvision
+from helpers import ROOT, check_ok, clean_env, rows, run, tiny_args
+
+from common.bench import matrix
+from common.registry import BY_FILE, SCRIPTS
+
+GPUS = torch.cuda.device_count()
+two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, {GPUS} visible")
+BF16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def gpu_args(tmp_path, **over):
+    """A few real steps at the articles' shapes: ResNet50 at 224, batch 32 per GPU."""
+    world = over.pop("world", 1)
+    args = dict(device="cuda", model="resnet50", image_size=224, batch_size=32 * world, train_samples=32 * world * 8,
+                test_samples=64, max_steps=8, timing_warmup_steps=3, workers=2, warmup_steps=0, log_every=0)
+    return tiny_args(tmp_path, **{**args, **over})
+
+
+def as_float(row, col):
+    assert row[col] != "", f"{col} is empty"
+    return float(row[col])
+
+
+def check_gpu_row(row, world):
+    assert row["status"] == "ok", row["error"]
+    assert row["device"] == "cuda" and int(row["world_size"]) == world
+    alloc, reserved, nvml = (as_float(row, c) for c in ("peak_allocated_gib", "peak_reserved_gib", "peak_nvml_gib"))
+    # the allocator's tensors fit in what it reserved, which fits in what the device has in use
+    assert 0 < alloc <= reserved <= nvml, (alloc, reserved, nvml)
+    assert 0 < as_float(row, "gpu_util_peak") <= 100 and 0 <= as_float(row, "gpu_util_mean") <= 100
+    for col in ("cuda_version", "cudnn_version", "nccl_version", "driver_version"):
+        assert row[col], col
+    assert int(row["timed_steps"]) == int(row["steps"]) - 3
+
+
+def gpu_cases():
+    out = []
+    for s in SCRIPTS:
+        for precision in s.precisions:
+            no_bf16 = precision == "bf16" and torch.cuda.is_available() and not BF16
+            marks = [pytest.mark.skipif(no_bf16, reason="this GPU has no bf16 (compute capability < 8.0)")]
+            out.append(pytest.param(s, precision, marks=marks, id=f"{s.name}-{precision}"))
+    return out
+
+
+@pytest.mark.parametrize("entry, precision", gpu_cases())
+def test_every_script_and_precision_at_resnet50_224(tmp_path, entry, precision):
+    world = GPUS if entry.distributed or entry.one_process_gpus else 1
+    cmd, nproc = matrix.command({"script": entry.file, "nproc": GPUS if entry.distributed else 1,
+                                 "args": {}, "name": "gpu/" + entry.name}, GPUS, str(tmp_path / "summary.csv"))
+    args = gpu_args(tmp_path, precision=precision, world=world)
+    proc = subprocess.run(cmd + args, cwd=ROOT, env=matrix.run_env(nproc), capture_output=True, text=True,
+                          timeout=900)
+    check_ok(proc)
+    (row,) = rows(tmp_path / "summary.csv")
+    check_gpu_row(row, world)
+    sd = torch.load(tmp_path / "ckpt" / entry.name / "model_final.pt", map_location="cpu", weights_only=True)
+    torchvision.models.resnet50(num_classes=10).load_state_dict(sd)
+
+
+def test_amp_fp16_counts_skipped_steps(tmp_path):
+    """GradScaler starts at 2**16: the first steps overflow and are skipped, by design, and counted."""
+    check_ok(run("pytorch_auto_mixed_precision.py", gpu_args(tmp_path, precision="fp16", max_steps=20)))
+    (row,) = rows(tmp_path / "summary.csv")
+    assert 1 <= int(row["skipped_steps"]) < int(row["steps"]), row["skipped_steps"]
+
+
+@two_gpus
+def test_ddp_on_two_gpus_trains_like_one(tmp_path):
+    """As tests/test_equivalence.py on CPU: frozen BatchNorm, no augmentation, the same global batch.
+    cuDNN picks per-shape algorithms, so sums differ in rounding: 1e-3 still sits an order of
+    magnitude below a wrong gradient average (lr x |grad| ~ 1e-2)."""
+    common = dict(device="cuda", train_samples=96, batch_size=16, augment=False, freeze_bn=True, warmup_steps=0)
+    one, two = tmp_path / "one", tmp_path / "two"
+    check_ok(run("pytorch_SingleGPU.py", tiny_args(one, **common)))
+    check_ok(run("pytorch_DDP.py", tiny_args(two, **common), nproc=2, launcher="torchrun"))
+    a = torch.load(one / "ckpt" / "pytorch_SingleGPU" / "model_final.pt", weights_only=True)
+    b = torch.load(two / "ckpt" / "pytorch_DDP" / "model_final.pt", weights_only=True)
+    diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert diff < 1e-3, diff
+
+
+@two_gpus
+def test_probes_report_the_busiest_gpu():
+    """DataParallel's one process drives every GPU: its peak is the largest of them."""
+    from common.measure.probes import Probes
+
+    devices = [torch.device("cuda", i) for i in range(GPUS)]
+    p = Probes(devices, devices[0])
+    p.start()
+    small = torch.empty(64 * 2 ** 20, dtype=torch.uint8, device=devices[0])  # 64 MiB on GPU 0
+    big = torch.empty(2 ** 30, dtype=torch.uint8, device=devices[1])  # 1 GiB on GPU 1
+    torch.cuda.synchronize()
+    p.stop()
+    del small, big
+    assert p.row()["peak_allocated_gib"] >= 1.0
+
+
+@two_gpus
+def test_dataparallel_row_counts_every_gpu(tmp_path):
+    check_ok(run("pytorch_DP.py", gpu_args(tmp_path, world=GPUS)))
+    (row,) = rows(tmp_path / "summary.csv")
+    check_gpu_row(row, GPUS)
+    assert int(row["num_devices"]) == GPUS
+
+
+def uuids_seen(script_cmd: list[str], env: dict) -> set[str]:
+    proc = subprocess.run(script_cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return {line.split("uuid=")[1].strip() for line in proc.stdout.splitlines() if line.startswith("WHOAMI")}
+
+
+@two_gpus
+@pytest.mark.parametrize("script", ["pytorch_SingleGPU.py", "pytorch_DDP.py", "pytorch_DeepSpeed.py",
+                                    "accelerate_DDP.py"])
+def test_every_launcher_honours_cuda_visible_devices(script, monkeypatch):
+    """The last GPU alone is made visible; whatever launcher benchmark.py picks, the process must see
+    that GPU (deepspeed --num_gpus would drop CUDA_VISIBLE_DEVICES and take GPU 0)."""
+    target = str(torch.cuda.get_device_properties(GPUS - 1).uuid)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", str(GPUS - 1))
+    entry = BY_FILE[script]
+    if entry.distributed:
+        cmd = matrix.launcher(script, 1, 1, matrix.free_port())
+    else:
+        cmd = [sys.executable]
+    env = {**clean_env(), "CUDA_VISIBLE_DEVICES": str(GPUS - 1)}
+    seen = uuids_seen(cmd + [os.path.join("tests", "gpu", "whoami.py")], env)
+    assert seen == {target}, (seen, target)
+
+
+def test_doctor_passes_on_this_gpu_machine(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmark.py", "doctor", "--results", str(tmp_path / "d.csv"),
+                           "--report", str(tmp_path / "D.md"), "--save-dir", str(tmp_path / "ckpt"),
+                           "--log-dir", str(tmp_path / "logs")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    assert ", 0 fail" in proc.stdout

@@ -1,0 +1,64 @@
+"""Test helpers: run a script the way a user would (python, torchrun, deepspeed) on tiny CPU settings."""
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+BIN = os.path.dirname(sys.executable)
+
+from common.config import to_flags  # noqa: E402
+from common.distributed import free_port  # noqa: E402
+
+TINY = {"device": "cpu", "dataset": "synthetic", "pretrained": False, "model": "resnet18", "image_size": 32,
+        "epochs": 1, "batch_size": 16, "train_samples": 64, "test_samples": 37, "workers": 0, "warmup_steps": 1,
+        "log_every": 0, "lr": 0.05, "timing_warmup_steps": 1}
+
+
+def tiny_args(tmp_path, **over) -> list[str]:
+    """resnet18 at 32 px on a few synthetic samples: seconds per run on 2 cores."""
+    return to_flags({**TINY, "results": str(tmp_path / "summary.csv"), "save_dir": str(tmp_path / "ckpt"), **over})
+
+
+def launcher_cmd(launcher: str, nproc: int) -> list[str]:
+    if launcher == "torchrun":
+        return [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+    if launcher == "deepspeed":
+        return [os.path.join(BIN, "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port())]
+    return [sys.executable]
+
+
+def clean_env(env: dict | None = None) -> dict:
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(k, None)
+    return e
+
+
+def run(script: str, args: list[str], nproc: int = 1, launcher: str = "python", timeout: int = 300,
+        env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(launcher_cmd(launcher, nproc) + [script] + args, cwd=ROOT, env=clean_env(env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def rows(path) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+
+def one_line_error(proc: subprocess.CompletedProcess, code: int = 2) -> str:
+    """Exit code, no traceback from the script, and its own message on one line."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ": error: " in ln]
+    assert lines, proc.stderr
+    return lines[0]

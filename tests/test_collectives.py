@@ -1,0 +1,111 @@
+"""The one rule for collectives: every metric tensor lives on the run's device.
+
+An nccl group serves only CUDA tensors; its CPU twin is a "cuda:gloo" group, which has no backend
+for CPU tensors either ("No backend type associated with device type cpu") but runs here. The
+metric helpers are given the "meta" device, the stand-in for a device whose tensors are not on
+the CPU: they must complete under that group, and the same call on the CPU device must fail (so
+the group really is strict). A source scan keeps every collective of common/ inside these helpers.
+"""
+import multiprocessing as mp
+import os
+import re
+
+import pytest
+import torch
+
+from common.distributed import claim_failure_row, free_port, reduce_metrics, restart_pending
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _worker(rank, world, port, spec, queue):
+    import torch.distributed as dist
+
+    from common.measure.probes import Probes
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+        dist.init_process_group(spec, rank=rank, world_size=world, store=store)
+        out = {}
+        meta = torch.device("meta")
+        out["metrics_on_meta"] = reduce_metrics({"a": 1.0, "b": None}, meta, "max")
+        probes = Probes([torch.device("cpu")], meta)  # a CPU-only process reporting through the run's device
+        probes.start()
+        probes.stop()
+        out["probes_on_meta"] = probes.row()
+        try:
+            reduce_metrics({"a": 1.0}, torch.device("cpu"), "max")
+            out["cpu"] = "no error"
+        except RuntimeError as exc:
+            out["cpu"] = str(exc)
+        out["claim"] = claim_failure_row()
+        dist.destroy_process_group()
+        queue.put((rank, out))
+    except Exception as exc:  # reported to the test, not swallowed
+        queue.put((rank, {"error": repr(exc)}))
+
+
+def run_group(spec: str, world: int = 2) -> dict:
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, spec, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    return results
+
+
+@pytest.fixture(scope="module")
+def cuda_only_group():
+    return run_group("cuda:gloo")
+
+
+def test_helpers_follow_the_device_they_are_given(cuda_only_group):
+    for out in cuda_only_group.values():
+        assert "error" not in out, out
+        assert out["metrics_on_meta"] == {"a": None, "b": None}  # completed; meta values are unreadable
+        assert set(out["probes_on_meta"]) >= {"peak_allocated_gib", "gpu_util_mean"}
+
+
+def test_the_twin_group_rejects_cpu_tensors(cuda_only_group):
+    """What the defect did (metric tensors built on the CPU under nccl) fails under the twin."""
+    for out in cuda_only_group.values():
+        assert "No backend type associated with device type cpu" in out["cpu"]
+
+
+def test_one_rank_claims_a_failed_runs_row(cuda_only_group):
+    assert sorted(out["claim"] for out in cuda_only_group.values()) == [False, True]
+
+
+def test_reduce_metrics_without_a_group():
+    cpu = torch.device("cpu")
+    assert reduce_metrics({"x": 2.5, "y": None}, cpu, "max") == {"x": 2.5, "y": None}
+    assert reduce_metrics({"x": 2.5}, cpu, "mean") == {"x": 2.5}
+
+
+def test_restart_pending_reads_torchelastic(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    assert restart_pending()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert not restart_pending()
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS")
+    assert not restart_pending()
+
+
+def test_no_collective_outside_the_helpers():
+    """Every collective in common/ and the scripts goes through common/distributed.py's helpers
+    (or a library's own: DDP, FSDP, DeepSpeed, accelerate), never a hand-built dist.* call."""
+    pattern = re.compile(r"\bdist\.(all_reduce|all_gather|reduce_scatter|broadcast|reduce|all_to_all)\w*\(")
+    offenders = []
+    for folder, _, files in os.walk(ROOT):
+        if any(part in folder for part in (".venv", "tests", ".git", "results")):
+            continue
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and path != os.path.join(ROOT, "common", "distributed.py"):
+                with open(path) as fh:
+                    offenders += [f"{path}:{i}" for i, line in enumerate(fh, 1) if pattern.search(line)]
+    assert offenders == []

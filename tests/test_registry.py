@@ -1,0 +1,107 @@
+"""The registry is the one table of scripts: everything that lists scripts must agree with it, and
+each tool's flags are the ones it uses."""
+import dataclasses
+import importlib
+import os
+import re
+
+import pytest
+
+from common import registry
+from common.bench import matrix
+from common.config import DistributedConfig, EvalConfig, TrainConfig, build_parser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# batch_size is both: the global training batch, and inference's throughput batch (its own field there)
+TRAIN_ONLY = {f.name for f in dataclasses.fields(TrainConfig)} - {f.name for f in dataclasses.fields(EvalConfig)} \
+    - {"batch_size"}
+
+
+def test_every_top_level_script_is_registered():
+    assert registry.top_level_scripts() == sorted(s.file for s in registry.SCRIPTS)
+
+
+def test_readme_script_table_is_the_registrys():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(r"<!-- scripts:start -->\n(.*?)\n<!-- scripts:end -->", readme, re.S)
+    assert block, "README.md lacks the scripts markers"
+    assert block.group(1).strip() == registry.readme_table().strip(), "run: python benchmark.py report"
+
+
+def config_class(file):
+    """The config class a script hands to launch() (TrainConfig when it names none)."""
+    source = open(os.path.join(ROOT, file)).read()
+    found = re.search(r"(?:launch|launch_tool)\(main, __file__, (?:cfg_cls=)?(\w+)", source)
+    module = importlib.import_module(file[:-3])
+    return getattr(module, found.group(1)) if found else TrainConfig
+
+
+def flags(cls):
+    return {a.dest for a in build_parser(cls, "", ("fp32",))._actions} - {"help"}
+
+
+@pytest.mark.parametrize("entry", registry.SCRIPTS, ids=lambda s: s.name)
+def test_each_script_offers_only_flags_it_uses(entry):
+    cls = config_class(entry.file)
+    got = flags(cls)
+    if not entry.distributed:
+        assert "backend" not in got  # one process: no process group to configure
+    if entry.deepspeed_config:
+        assert not {"compile", "grad_accum"} & got  # the engine's own config owns these
+    sources = open(os.path.join(ROOT, entry.file)).read() + "".join(
+        open(os.path.join(d, f)).read() for d, _, files in os.walk(os.path.join(ROOT, "common"))
+        for f in files if f.endswith(".py"))
+    unused = [name for name in got if f"cfg.{name}" not in sources and f'"{name}"' not in sources]
+    assert unused == []
+
+
+def test_model_inference_lists_no_training_flag():
+    got = flags(config_class("model_inference.py"))
+    assert not got & TRAIN_ONLY, got & TRAIN_ONLY
+    assert {"checkpoint", "onnx", "batch_size", "precision", "model", "dataset", "results"} <= got
+
+
+@pytest.mark.parametrize("visible, gpus, expected", [
+    (None, 0, ["deepspeed", "--num_gpus", "2"]),
+    (None, 4, ["deepspeed", "--num_gpus", "4"]),
+    ("2,3", 2, ["deepspeed", "--include", "localhost:2,3"]),  # --num_gpus would drop CUDA_VISIBLE_DEVICES
+    ("GPU-aa,GPU-bb", 2, ["torchrun", "--nproc_per_node", "2"]),  # UUIDs: deepspeed cannot name them
+])
+def test_deepspeed_keeps_the_visible_gpus(monkeypatch, visible, gpus, expected):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    cmd = [os.path.basename(c) for c in matrix.launcher("pytorch_DeepSpeed.py", gpus or 2, gpus, 29500)]
+    assert cmd[:3] == expected
+
+
+@pytest.mark.parametrize("script", ["pytorch_SingleGPU.py", "pytorch_DDP.py", "pytorch_DeepSpeed.py",
+                                    "accelerate_DDP.py"])
+def test_every_launcher_gets_the_same_thread_rule(monkeypatch, script):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    nproc = matrix.processes(script, 0)
+    assert matrix.run_env(nproc)["OMP_NUM_THREADS"] == str(max(1, os.cpu_count() // nproc))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert matrix.run_env(nproc)["OMP_NUM_THREADS"] == "3"  # the user's choice is kept
+
+
+def test_presets_cover_every_registered_script():
+    path = os.path.join(ROOT, "config", "benchmark.yaml")
+    for preset in ("smoke", "seed", "throughput"):
+        runs = matrix.load_matrix(path, preset, None, gpus=0)
+        assert {r["script"] for r in runs} == set(registry.BY_FILE), preset
+        assert all(r["gpu_only"] for r in runs if registry.BY_FILE[r["script"]].needs_cuda)
+    smoke = {r["name"]: r for r in matrix.load_matrix(path, "smoke", None, gpus=0)}
+    assert smoke["smoke/pytorch_half_precision"]["args"]["precision"] == "bf16"  # the registry's CPU override
+    gpu = {r["name"]: r for r in matrix.load_matrix(path, "smoke", None, gpus=4)}
+    assert gpu["smoke/pytorch_half_precision"]["args"]["precision"] == "fp16"
+    assert gpu["smoke/pytorch_DDP"]["nproc"] == 4 and gpu["smoke/pytorch_SingleGPU"]["nproc"] == 1
+    seed = {r["name"]: r for r in matrix.load_matrix(path, "seed", None, gpus=0)}
+    assert seed["seed/pytorch_DDP_ZeRO"]["args"]["optimizer"] == "adamw"  # an entry without name changes the default
+
+
+def test_distributed_config_is_what_multi_process_scripts_use():
+    for entry in registry.SCRIPTS:
+        cls = config_class(entry.file)
+        assert issubclass(cls, DistributedConfig) == entry.distributed, entry.file

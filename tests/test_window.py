@@ -1,0 +1,172 @@
+"""The timed window and what it drives: instruments open after the warm-up steps, pause around
+epoch-end work (checkpoint saves), and the GPU probes reset and keep their peaks accordingly."""
+import types
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn as nn
+
+from common.config import TrainConfig
+from common.measure import Instrument
+from common.measure import probes as probes_mod
+from common.train import TimedWindow, TrainHooks, fit
+
+
+class Recorder(Instrument):
+    def __init__(self):
+        self.events, self.paused, self.started = [], False, False
+
+    def start(self):
+        self.events.append("start")
+        self.started = True
+
+    def pause(self):
+        self.events.append("pause")
+        self.paused = True
+
+    def resume(self):
+        self.events.append("resume")
+        self.paused = False
+
+    def step(self):
+        self.events.append("step")
+
+    def stop(self):
+        self.events.append("stop")
+
+    def row(self):
+        return {"recorded": len(self.events)}
+
+
+def test_window_opens_after_the_warm_up_and_pauses_at_epoch_ends():
+    rec = Recorder()
+    w = TimedWindow(opens_at=2, device=torch.device("cpu"), instruments=[rec])
+    w.epoch_start(0)
+    for s in (1, 2, 3):
+        w.after_step(s)
+    w.epoch_end()
+    w.epoch_start(3)
+    w.after_step(4)
+    w.epoch_end()
+    assert rec.events == ["start", "step", "pause", "resume", "step", "pause"]
+    assert w.steps == 2 and w.close() == {"recorded": 7} and rec.events[-1] == "stop"
+
+
+def test_window_that_never_opens_reports_nothing():
+    rec = Recorder()
+    w = TimedWindow(opens_at=5, device=torch.device("cpu"), instruments=[rec])
+    w.epoch_start(0)
+    w.after_step(1)
+    w.epoch_end()
+    assert w.close() == {"recorded": 0} and rec.events == []
+
+
+class TinyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 10)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+
+
+class SpyCheckpointer:
+    """Records whether the instruments were paused while the epoch's state was saved."""
+
+    def __init__(self, recorder):
+        self.recorder, self.saves = recorder, []
+
+    def save(self, epoch, meta):
+        self.saves.append((epoch, self.recorder.paused, meta["window_steps"]))
+
+
+def test_fit_times_after_the_warm_up_and_saves_outside_the_window(monkeypatch):
+    rec = Recorder()
+    monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks: [rec])
+    cfg = TrainConfig(epochs=2, timing_warmup_steps=3, log_every=0, batch_size=4, loader_probe_batches=0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [(torch.randn(4, 3, 2, 2), torch.randint(0, 10, (4,))) for _ in range(4)]
+    evaluations = []
+
+    def step():
+        opt.step()
+        opt.zero_grad()
+
+    hooks = TrainHooks(lambda loss: loss.backward(), step, torch.device("cpu"), ctx=nullcontext(),
+                       evaluate=lambda *a, **k: evaluations.append(1) or (0.5, 10))
+    ckpt = SpyCheckpointer(rec)
+    m = fit(cfg, model, batches, None, hooks, ckpt)
+    assert m.steps == 8 and m.timed_steps == 5  # warm-up steps 1..3 are outside the window
+    assert ckpt.saves == [(1, True, 1), (2, True, 5)]  # saved while paused, window counts carried
+    assert rec.events.count("start") == 1 and rec.events.count("step") == 5 and rec.events[-1] == "stop"
+    assert m.throughput_img_s > 0 and m.extra["recorded"] == len(rec.events)
+    assert len(evaluations) == 1 and m.test_accuracy == 0.5  # evaluated once, after training
+
+
+def test_time_to_target_is_the_training_time_at_the_first_epoch_that_reaches_it(monkeypatch):
+    monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks: [])
+    cfg = TrainConfig(epochs=3, timing_warmup_steps=0, log_every=0, batch_size=4, loader_probe_batches=0,
+                      target_accuracy=0.6)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    accuracies = iter([0.5, 0.7, 0.9])
+
+    def step():
+        opt.step()
+        opt.zero_grad()
+
+    hooks = TrainHooks(lambda loss: loss.backward(), step, torch.device("cpu"),
+                       evaluate=lambda *a, **k: (next(accuracies), 10))
+    times = []
+    m = fit(cfg, model, [(torch.randn(4, 12), torch.randint(0, 10, (4,)))] * 2, None, hooks,
+            types.SimpleNamespace(save=lambda epoch, meta: times.append(meta["train_time_s"])))
+    assert m.time_to_target_s == pytest.approx(times[1])  # epoch 2 reached 0.7 >= 0.6
+    assert m.test_accuracy == 0.9  # the last epoch's evaluation is the final one (no extra pass)
+
+
+class FakeAllocator:
+    """torch.cuda's peak counters for one fake device."""
+
+    def __init__(self):
+        self.current = self.peak = 0
+
+    def alloc(self, n):
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+    def free(self, n):
+        self.current -= n
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    a = FakeAllocator()
+
+    def reset(device):
+        a.peak = a.current
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: a.peak)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: a.peak)
+    monkeypatch.setattr(probes_mod, "nvml_handle", lambda d: (None, None))
+    return a
+
+
+def test_probe_peaks_cover_the_window_only(fake_gpu):
+    gib = probes_mod.GIB
+    p = probes_mod.Probes([torch.device("cuda", 0)], torch.device("cpu"))
+    fake_gpu.alloc(5 * gib)  # warm-up: cuDNN autotuning workspace
+    fake_gpu.free(5 * gib)
+    p.start()
+    fake_gpu.alloc(2 * gib)  # training
+    fake_gpu.free(2 * gib)
+    p.pause()
+    fake_gpu.alloc(7 * gib)  # epoch-end checkpoint save
+    fake_gpu.free(7 * gib)
+    p.resume()
+    fake_gpu.alloc(3 * gib)
+    fake_gpu.free(3 * gib)
+    p.stop()
+    assert p.row()["peak_allocated_gib"] == 3.0
