@@ -134,8 +134,9 @@ def world_size() -> int:
 # cpu", after training, losing the run's figures. gloo serves CPU and CUDA tensors alike.
 
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce of a tensor on the run's device, when a group of more than one exists."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    """In-place all-reduce of a tensor on the run's device, whenever a group exists: a world of one
+    still reduces, so a single-GPU machine exercises the same nccl path as a multi-GPU one."""
+    if not (dist.is_available() and dist.is_initialized()):
         return tensor
     dist.all_reduce(tensor, op=op)
     return tensor
