@@ -99,6 +99,14 @@ def visible_gpu_ids() -> list[str] | None:
     return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
 
 
+def tool(name: str) -> str:
+    """A launcher from this interpreter's environment (bin/ beside python), else from PATH."""
+    import shutil
+
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    return beside if os.path.exists(beside) else (shutil.which(name) or beside)
+
+
 def launcher(script: str, nproc: int, gpus: int, port: int) -> list[str]:
     """The launcher command for one run. The GPUs are those CUDA_VISIBLE_DEVICES leaves visible,
     for every launcher alike:
@@ -110,21 +118,18 @@ def launcher(script: str, nproc: int, gpus: int, port: int) -> list[str]:
                                    localhost:<the visible ids> keeps the same GPUs. Ids that are
                                    not integers (GPU-/MIG- UUIDs) cannot be named that way: such a
                                    run goes through torchrun, which pytorch_DeepSpeed.py supports."""
-    s, bindir = BY_FILE[script], os.path.dirname(sys.executable)
+    s = BY_FILE[script]
     if s.launcher == "deepspeed":
         ids = visible_gpu_ids()
-        if not gpus:
-            return [os.path.join(bindir, "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port)]
-        if ids is None:
-            return [os.path.join(bindir, "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port)]
+        if not gpus or ids is None:
+            return [tool("deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port)]
         if all(i.isdigit() for i in ids):
-            return [os.path.join(bindir, "deepspeed"), "--include", "localhost:" + ",".join(ids[:nproc]),
-                    "--master_port", str(port)]
+            return [tool("deepspeed"), "--include", "localhost:" + ",".join(ids[:nproc]), "--master_port", str(port)]
     if s.launcher == "accelerate" and gpus:
-        return [os.path.join(bindir, "accelerate"), "launch", "--config_file", s.accelerate_config,
+        return [tool("accelerate"), "launch", "--config_file", s.accelerate_config,
                 "--num_processes", str(nproc), "--main_process_port", str(port)]
     # torchrun; also accelerate on CPU, where `accelerate launch --cpu --num_processes 2` starts one process
-    return [os.path.join(bindir, "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port)]
+    return [tool("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port)]
 
 
 def command(run: dict, gpus: int, results: str) -> tuple[list[str], int]:
