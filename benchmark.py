@@ -52,10 +52,11 @@ def cmd_run(opts) -> int:
 def cmd_report(opts) -> int:
     from common.report import update_readme, write_report
 
-    path = write_report(opts.results, opts.report, os.path.join(ROOT, "results", "reference.csv"))
+    reference = os.path.join(ROOT, "results", "reference.csv")
+    path = write_report(opts.results, opts.report, reference)
     print(f"report: {os.path.relpath(path, ROOT)}")
     if getattr(opts, "readme", None):
-        print(f"README tables: {os.path.relpath(update_readme(opts.readme), ROOT)}")
+        print(f"README tables: {os.path.relpath(update_readme(opts.readme, opts.results, reference), ROOT)}")
     return 0
 
 

@@ -7,7 +7,7 @@ import pytest
 from helpers import ROOT, rows
 
 from common.registry import BY_FILE, SCRIPTS
-from common.report import write_report
+from common.report import update_readme, write_report
 from common.results import append_row
 
 TRAINING_SCRIPTS = [s.file for s in SCRIPTS]
@@ -79,6 +79,29 @@ def test_report_from_partial_and_failed_rows(tmp_path):
     text = (tmp_path / "R.md").read_text()
     assert "2.50x" in text and "0.50x" in text  # speed-up and memory ratio against single fp32
     assert "oom (CUDA out of memory)" in text and "pytorch_DP" in text
+
+
+def test_readme_figures_put_the_articles_beside_the_measured(tmp_path):
+    csv, readme = str(tmp_path / "s.csv"), tmp_path / "README.md"
+    readme.write_text("# x\n<!-- scripts:start -->\n<!-- scripts:end -->\n<!-- figures:start -->\nold\n"
+                      "<!-- figures:end -->\ntail\n")
+    append_row(csv, {"script": "pytorch_DDP.py", "precision": "fp32", "status": "ok", "device_name": "GPU X",
+                     "model": "resnet50", "image_size": 224, "global_batch_size": 128, "world_size": 4,
+                     "train_time_s": 555.5, "peak_allocated_gib": 3.3})
+    append_row(csv, {"script": "pytorch_DDP.py", "precision": "fp32", "status": "ok", "device_name": "GPU X",
+                     "model": "resnet18", "image_size": 32, "global_batch_size": 16, "world_size": 2,
+                     "train_time_s": 9.0, "throughput_img_s": 777.0})
+    append_row(csv, {"script": "pytorch_FSDP.py", "precision": "fp32", "status": "ok", "device_name": "CPU Y",
+                     "model": "resnet18", "image_size": 32, "global_batch_size": 16, "world_size": 2})
+    update_readme(str(readme), csv, os.path.join(ROOT, "results", "reference.csv"))
+    text = readme.read_text()
+    lines = {ln.split(" | ")[0]: ln for ln in text.splitlines() if ln.startswith("| ")}
+    ddp = lines["| DDP"]
+    # the articles setup wins over a newer row elsewhere
+    assert "| 3.12 |" in ddp and "| 560 |" in ddp and "555.5" in ddp and "3.30" in ddp
+    assert "777" not in text and "old" not in text and text.endswith("tail\n")
+    assert "CPU Y" in lines["| FSDP"] and "not the articles' setup" in lines["| FSDP"]
+    assert "not measured yet" in lines["| DataParallel"]
 
 
 def test_report_of_an_empty_or_missing_csv(tmp_path):
