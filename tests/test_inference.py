@@ -5,6 +5,8 @@ other kernels, which changes rounding at ~1e-6 relative per op. Through ResNet18
 logits (magnitude ~1-10) move by ~1e-5; MAX_DIFF = 1e-3 leaves two orders of margin while a
 wrong export (missing normalization, wrong layout, dropped layer) moves them by > 0.1.
 """
+import types
+
 import pytest
 import torch
 import torchvision
@@ -60,6 +62,24 @@ def test_onnx_parity(trained, tmp_path, precision, loader):
     model = onnx.load(str(ckpt).replace(".pt", ".onnx"))
     assert model.graph.input[0].name == "images" and model.graph.output[0].name == "logits"
     assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # dynamic batch axis
+
+
+def test_onnx_export_leaves_the_measured_model_as_it_was(tmp_path):
+    """The export is of an fp32 CPU copy: exporting in place would turn the bf16 (or CUDA) model being
+    measured into fp32 on the CPU, and its reference logits would then mix dtypes and devices."""
+    import model_inference
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(4, 10)
+
+        def forward(self, x):
+            return self.fc(self.conv(x).mean((2, 3)))
+
+    model = Tiny().to(torch.bfloat16)
+    model_inference.export_onnx(model, types.SimpleNamespace(image_size=8, onnx_opset=18), str(tmp_path / "m.onnx"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("make, words", [

@@ -115,6 +115,18 @@ def test_deepspeed_json_refusals(tmp_path, content, words):
     assert rows(tmp_path / "summary.csv") == []
 
 
+def test_zero3_gathers_the_final_weights_unless_told_not_to(tmp_path):
+    """accelerate's get_state_dict raises under ZeRO-3 unless the 16-bit weights are gathered on
+    save: a stage-3 JSON that does not say so gets the flag set, so model_final.pt can be written."""
+    from common.config import TrainConfig
+    from common.deepspeed_config import resolve_ds_config
+
+    path = tmp_path / "z3.json"
+    path.write_text('{"zero_optimization": {"stage": 3}}')
+    ds, _ = resolve_ds_config(TrainConfig(batch_size=16), str(path), world_size=2, micro_batch=8)
+    assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+
+
 def test_deepspeed_refuses_flags_it_does_not_use(tmp_path):
     proc = run("pytorch_DeepSpeed.py", tiny_args(tmp_path) + ["--compile"])
     assert "unrecognized arguments: --compile" in one_line_error(proc)
