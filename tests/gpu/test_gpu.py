@@ -79,6 +79,24 @@ def test_amp_fp16_counts_skipped_steps(tmp_path):
     assert 1 <= int(row["skipped_steps"]) < int(row["steps"]), row["skipped_steps"]
 
 
+def test_inference_on_cuda_with_the_device_loader_and_onnx(tmp_path):
+    """model_inference.py on CUDA: the device-side loader's validity mask lives on the GPU (the logits
+    are brought to the CPU before indexing), bf16 on the device beside the fp32 ONNX export, and
+    onnxruntime bound to device buffers (IOBinding) when onnxruntime-gpu is installed."""
+    check_ok(run("pytorch_SingleGPU.py", tiny_args(tmp_path, device="cuda")))
+    out = tmp_path / "inference.csv"
+    ckpt = tmp_path / "ckpt" / "pytorch_SingleGPU" / "model_final.pt"
+    precision = "bf16" if BF16 else "fp16"
+    check_ok(run("model_inference.py", ["--checkpoint", str(ckpt), "--results", str(out), "--device", "cuda",
+                                        "--dataset", "synthetic", "--model", "resnet18", "--image-size", "32",
+                                        "--test-samples", "37", "--batch-size", "16", "--loader", "gpu", "--onnx",
+                                        "--precision", precision]))
+    torch_row, ort_row = rows(out)
+    assert torch_row["device"] == "cuda" and int(torch_row["test_samples"]) == 37
+    assert int(ort_row["test_samples"]) == 37 and float(ort_row["top1_agreement"]) >= 0.9
+    assert float(torch_row["latency_ms_p50"]) > 0 and float(ort_row["latency_ms_p50"]) > 0
+
+
 @two_gpus
 def test_ddp_on_two_gpus_trains_like_one(tmp_path):
     """As tests/test_equivalence.py on CPU: frozen BatchNorm, no augmentation, the same global batch.
