@@ -14,6 +14,9 @@ Fields:
   one_process_gpus  True when one process drives every visible GPU (DataParallel): world_size is
                the GPUs it used, and benchmark.py starts it with plain python
   preset_args / cpu_preset_args  flags every preset adds for this script (all hardware / CPU only)
+  label        prefix of the CSV's `precision` for a run that is not fp32: how the half precision is
+               applied (amp_ autocast, pure_ the whole model cast, mp_ FSDP's MixedPrecisionPolicy,
+               ds_ DeepSpeed's own fp16/bf16 engine); empty: the precision as given
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class Script:
     one_process_gpus: bool = False
     preset_args: dict = field(default_factory=dict)
     cpu_preset_args: dict = field(default_factory=dict)
+    label: str = ""
 
     @property
     def distributed(self) -> bool:
@@ -61,20 +65,21 @@ SCRIPTS = [
     Script("pytorch_SingleGPU.py", "single", "python", ("fp32",),
            "one device, fp32 (`--tf32` for TF32 math): the baseline"),
     Script("pytorch_half_precision.py", "single", "python", ("fp16", "bf16"),
-           "whole model in fp16/bf16 (`--bn-fp32`, `--loss-scale S`): why pure half loses accuracy", **_HALF),
+           "whole model in fp16/bf16 (`--bn-fp32`, `--loss-scale S`): why pure half loses accuracy", **_HALF,
+           label="pure_"),
     Script("pytorch_auto_mixed_precision.py", "single", "python", ("fp16", "bf16"),
-           "autocast + GradScaler (fp16) / autocast (bf16): the fix for pure half", **_HALF),
+           "autocast + GradScaler (fp16) / autocast (bf16): the fix for pure half", **_HALF, label="amp_"),
     Script("pytorch_DP.py", "dp", "python", ("fp32",),
            "`nn.DataParallel` over every visible GPU from one process", one_process_gpus=True),
     Script("pytorch_DDP.py", "ddp", "torchrun", ALL_PRECISIONS,
-           "DDP (`--sync-bn`, `--grad-accum N` with `no_sync`, `--precision` as autocast)"),
+           "DDP (`--sync-bn`, `--grad-accum N` with `no_sync`, `--precision` as autocast)", label="amp_"),
     Script("pytorch_DDP_ZeRO.py", "ddp_zero", "torchrun", ALL_PRECISIONS,
-           "DDP + `ZeroRedundancyOptimizer` (optimizer state sharded)"),
+           "DDP + `ZeroRedundancyOptimizer` (optimizer state sharded)", label="amp_"),
     Script("pytorch_FSDP.py", "fsdp", "torchrun", ALL_PRECISIONS,
-           "FSDP2 `fully_shard` per ResNet block (`--sharding`, `--cpu-offload`)"),
+           "FSDP2 `fully_shard` per ResNet block (`--sharding`, `--cpu-offload`)", label="mp_"),
     Script("pytorch_DeepSpeed.py", "deepspeed", "deepspeed", ALL_PRECISIONS,
            "DeepSpeed ZeRO 1/2/3 from the JSON (`--deepspeed_config`, `--offload`)",
-           deepspeed_config="config/zero_stage2_config.json"),
+           deepspeed_config="config/zero_stage2_config.json", label="ds_"),
     Script("accelerate_DDP.py", "accelerate_ddp", "accelerate", ALL_PRECISIONS,
            "accelerate, DDP underneath", accelerate_config="config/default_DDP.yml"),
     Script("accelerate_FSDP.py", "accelerate_fsdp", "accelerate", ALL_PRECISIONS,
@@ -82,7 +87,7 @@ SCRIPTS = [
            needs_cuda=True),
     Script("accelerate_DeepSpeed.py", "accelerate_deepspeed", "accelerate", ALL_PRECISIONS,
            "accelerate + DeepSpeed ZeRO from the JSON the YAML names", accelerate_config="config/default_DeepSpeed.yml",
-           deepspeed_config="config/zero_stage2_config.json"),
+           deepspeed_config="config/zero_stage2_config.json", label="ds_"),
 ]
 BY_FILE = {s.file: s for s in SCRIPTS}
 

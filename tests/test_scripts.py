@@ -8,7 +8,7 @@ import torch
 import torchvision
 from helpers import check_ok, one_line_error, rows, run, tiny_args
 
-from common.registry import SCRIPTS
+from common.registry import BY_FILE, SCRIPTS
 from common.results import COLUMNS
 
 pytestmark = pytest.mark.slow
@@ -23,10 +23,6 @@ REFUSED = {("accelerate_DDP.py", "fp16"): "would silently train in fp32",
            ("accelerate_FSDP.py", "bf16"): "needs CUDA devices"}
 EXTRA = {("pytorch_auto_mixed_precision.py", "fp16"): {"clip_grad_norm": 1.0},
          ("pytorch_half_precision.py", "bf16"): {"bn_fp32": True, "loss_scale": 128}}
-LABEL = {"pytorch_half_precision.py": "pure_", "pytorch_auto_mixed_precision.py": "amp_", "pytorch_DDP.py": "amp_",
-         "pytorch_DDP_ZeRO.py": "amp_", "pytorch_FSDP.py": "mp_", "pytorch_DeepSpeed.py": "ds_",
-         "accelerate_DeepSpeed.py": "ds_"}
-
 
 def cases():
     out = []
@@ -46,7 +42,7 @@ def check_row(row, script, world, precision):
     assert float(row["train_time_s"]) > 0 and float(row["throughput_img_s"]) > 0
     assert math.isfinite(float(row["train_loss"])) and 0 <= float(row["test_accuracy"]) <= 1
     label = row["precision"]
-    assert label == "fp32" if precision == "fp32" else label.startswith(LABEL.get(script, "") + precision), label
+    assert label == "fp32" if precision == "fp32" else label.startswith(BY_FILE[script].label + precision), label
     for col in ("peak_allocated_gib", "peak_reserved_gib", "peak_nvml_gib", "gpu_util_mean", "gpu_util_peak",
                 "cuda_version", "cudnn_version", "nccl_version", "driver_version"):
         assert row[col] == "", col  # CPU: empty, never a fake zero
