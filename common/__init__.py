@@ -16,6 +16,7 @@ from .checkpoint import (
     Checkpointer,
     DCPCheckpointer,
     DeepSpeedCheckpointer,
+    RankCheckpointer,
     ZeroCheckpointer,
     save_final,
 )
@@ -29,7 +30,8 @@ from .runner import launch
 from .train import Metrics, TrainHooks, evaluate, fit
 
 __all__ = [
-    "AccelerateCheckpointer", "Checkpointer", "DCPCheckpointer", "DeepSpeedCheckpointer", "ZeroCheckpointer",
+    "AccelerateCheckpointer", "Checkpointer", "DCPCheckpointer", "DeepSpeedCheckpointer", "RankCheckpointer",
+    "ZeroCheckpointer",
     "save_final", "DistributedConfig", "EvalConfig", "TrainConfig", "UsageError", "opt", "parse_config",
     "build_loaders", "per_rank_batch", "DistInfo", "barrier", "cleanup", "global_rank", "init_distributed",
     "pick_device", "require_single_process", "build_model", "build_optimizer", "build_scheduler",

@@ -66,6 +66,11 @@ SCRIPTS = [
            "autocast + GradScaler (fp16) / autocast (bf16): the fix for pure half", **_HALF),
     Script("pytorch_DP.py", "dp", "python", ("fp32",),
            "`nn.DataParallel` over every visible GPU from one process", one_process_gpus=True),
+    Script("pytorch_MP.py", "mp", "python", ("fp32",),
+           "naive model parallelism: two ResNet halves on `cuda:0`/`cuda:1` (one device: both there)"),
+    Script("pytorch_PP.py", "pp_gpipe", "torchrun", ("fp32",),
+           "pipeline parallelism, `torch.distributed.pipelining` (`--schedule gpipe/1f1b/interleaved-1f1b`, "
+           "`--microbatches M`, `--split`)"),
     Script("pytorch_DDP.py", "ddp", "torchrun", ALL_PRECISIONS,
            "DDP (`--sync-bn`, `--grad-accum N` with `no_sync`, `--precision` as autocast)"),
     Script("pytorch_DDP_ZeRO.py", "ddp_zero", "torchrun", ALL_PRECISIONS,
