@@ -7,6 +7,7 @@
     precision     dtype, autocast, GradScaler step; optim: optimizer and schedule
     train         the train loop (fit), its timed window and evaluation
     checkpoint    resumable state per strategy, the final weights
+    pipeline      a ResNet split at its stages (model and pipeline parallelism), weights gathered back
     runner        what happens around every script's main(): config, row, exit code
     results       the CSV; report: the Markdown report
     measure/      the instruments: probes, fingerprint, loader, ...
