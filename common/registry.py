@@ -13,6 +13,8 @@ Fields:
   needs_cuda   True when it cannot run on CPU at all (it refuses in one line there)
   one_process_gpus  True when one process drives every visible GPU (DataParallel): world_size is
                the GPUs it used, and benchmark.py starts it with plain python
+  max_processes  the most processes it can use (a pipeline: one per ResNet stage); benchmark.py
+               starts no more than that
   preset_args / cpu_preset_args  flags every preset adds for this script (all hardware / CPU only)
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Script:
     deepspeed_config: str | None = None
     needs_cuda: bool = False
     one_process_gpus: bool = False
+    max_processes: int | None = None
     preset_args: dict = field(default_factory=dict)
     cpu_preset_args: dict = field(default_factory=dict)
 
@@ -70,7 +73,7 @@ SCRIPTS = [
            "naive model parallelism: two ResNet halves on `cuda:0`/`cuda:1` (one device: both there)"),
     Script("pytorch_PP.py", "pp_gpipe", "torchrun", ("fp32",),
            "pipeline parallelism, `torch.distributed.pipelining` (`--schedule gpipe/1f1b/interleaved-1f1b`, "
-           "`--microbatches M`, `--split`)"),
+           "`--microbatches M`, `--split`)", max_processes=4),
     Script("pytorch_DDP.py", "ddp", "torchrun", ALL_PRECISIONS,
            "DDP (`--sync-bn`, `--grad-accum N` with `no_sync`, `--precision` as autocast)"),
     Script("pytorch_DDP_ZeRO.py", "ddp_zero", "torchrun", ALL_PRECISIONS,

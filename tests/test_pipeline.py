@@ -90,3 +90,10 @@ def test_1f1b_needs_a_microbatch_per_stage(tmp_path):
     proc = run("pytorch_PP.py", tiny_args(tmp_path, schedule="1f1b", microbatches=1), nproc=2, launcher="torchrun")
     assert proc.returncode != 0 and "at least as many micro-batches as stages (2)" in proc.stderr
     assert rows(tmp_path / "summary.csv") == []
+
+
+def test_a_pipeline_uses_at_most_four_processes():
+    from common.bench import matrix
+
+    assert matrix.processes("pytorch_PP.py", 8) == 4 and matrix.processes("pytorch_PP.py", 2) == 2
+    assert matrix.processes("pytorch_DDP.py", 8) == 8
