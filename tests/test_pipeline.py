@@ -97,3 +97,19 @@ def test_a_pipeline_uses_at_most_four_processes():
 
     assert matrix.processes("pytorch_PP.py", 8) == 4 and matrix.processes("pytorch_PP.py", 2) == 2
     assert matrix.processes("pytorch_DDP.py", 8) == 8
+
+
+def test_report_sets_the_bubble_beside_the_textbook(tmp_path):
+    from common.report import textbook_bubble, write_report
+    from common.results import append_row
+
+    assert textbook_bubble("pp_gpipe", 2, 2, 4) == 20.0 and textbook_bubble("mp", 1, 2, float("nan")) == 50.0
+    assert textbook_bubble("pp_interleaved_1f1b", 2, 2, 4) == 100 / 9 and textbook_bubble("ddp", 2, 2, 4) is None
+    csv = str(tmp_path / "s.csv")
+    common = dict(device_name="cpu", model="resnet18", image_size=32, dataset="synthetic", global_batch_size=16,
+                  status="ok", world_size=2, num_devices=2, precision="fp32")
+    append_row(csv, {**common, "script": "pytorch_PP.py", "strategy": "pp_1f1b", "microbatches": 4,
+                     "pipeline_bubble_pct": 31.5})
+    append_row(csv, {**common, "script": "pytorch_DDP.py", "strategy": "ddp"})
+    report = open(write_report(csv, str(tmp_path / "R.md"))).read()
+    assert "| pytorch_PP fp32 x2 | pp_1f1b | 2 | 4 | 31.5 | 20.0 |" in report and "| ddp | 2 | 4 |" not in report
