@@ -7,6 +7,7 @@
     precision     dtype, autocast, GradScaler step; optim: optimizer and schedule
     train         the train loop (fit), its timed window and evaluation
     checkpoint    resumable state per strategy, the final weights
+    pipeline      a ResNet split at its stages (model and pipeline parallelism), weights gathered back
     runner        what happens around every script's main(): config, row, exit code
     results       the CSV; report: the Markdown report
     measure/      the instruments: probes, fingerprint, loader, ...
@@ -16,6 +17,7 @@ from .checkpoint import (
     Checkpointer,
     DCPCheckpointer,
     DeepSpeedCheckpointer,
+    RankCheckpointer,
     ZeroCheckpointer,
     save_final,
 )
@@ -29,7 +31,8 @@ from .runner import launch
 from .train import Metrics, TrainHooks, evaluate, fit
 
 __all__ = [
-    "AccelerateCheckpointer", "Checkpointer", "DCPCheckpointer", "DeepSpeedCheckpointer", "ZeroCheckpointer",
+    "AccelerateCheckpointer", "Checkpointer", "DCPCheckpointer", "DeepSpeedCheckpointer", "RankCheckpointer",
+    "ZeroCheckpointer",
     "save_final", "DistributedConfig", "EvalConfig", "TrainConfig", "UsageError", "opt", "parse_config",
     "build_loaders", "per_rank_batch", "DistInfo", "barrier", "cleanup", "global_rank", "init_distributed",
     "pick_device", "require_single_process", "build_model", "build_optimizer", "build_scheduler",

@@ -153,6 +153,19 @@ class ZeroCheckpointer(Checkpointer):
                        os.path.join(folder, "native.pt"))
 
 
+class RankCheckpointer(Checkpointer):
+    """Pipeline stages: each rank holds other weights and optimizer state, and writes its own file."""
+
+    def save_native(self, folder: str) -> None:
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+                   os.path.join(folder, f"native_rank{global_rank()}.pt"))
+
+    def load_native(self, folder: str) -> None:
+        state = _load(os.path.join(folder, f"native_rank{global_rank()}.pt"))
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
 class DCPCheckpointer(Checkpointer):
     """FSDP2: every rank writes its own shards with torch.distributed.checkpoint."""
 

@@ -13,6 +13,8 @@ Fields:
   needs_cuda   True when it cannot run on CPU at all (it refuses in one line there)
   one_process_gpus  True when one process drives every visible GPU (DataParallel): world_size is
                the GPUs it used, and benchmark.py starts it with plain python
+  max_processes  the most processes it can use (a pipeline: one per ResNet stage); benchmark.py
+               starts no more than that
   preset_args / cpu_preset_args  flags every preset adds for this script (all hardware / CPU only)
   label        prefix of the CSV's `precision` for a run that is not fp32: how the half precision is
                applied (amp_ autocast, pure_ the whole model cast, mp_ FSDP's MixedPrecisionPolicy,
@@ -39,6 +41,7 @@ class Script:
     deepspeed_config: str | None = None
     needs_cuda: bool = False
     one_process_gpus: bool = False
+    max_processes: int | None = None
     preset_args: dict = field(default_factory=dict)
     cpu_preset_args: dict = field(default_factory=dict)
     label: str = ""
@@ -71,6 +74,11 @@ SCRIPTS = [
            "autocast + GradScaler (fp16) / autocast (bf16): the fix for pure half", **_HALF, label="amp_"),
     Script("pytorch_DP.py", "dp", "python", ("fp32",),
            "`nn.DataParallel` over every visible GPU from one process", one_process_gpus=True),
+    Script("pytorch_MP.py", "mp", "python", ("fp32",),
+           "naive model parallelism: two ResNet halves on `cuda:0`/`cuda:1` (one device: both there)"),
+    Script("pytorch_PP.py", "pp_gpipe", "torchrun", ("fp32",),
+           "pipeline parallelism, `torch.distributed.pipelining` (`--schedule gpipe/1f1b/interleaved-1f1b`, "
+           "`--microbatches M`, `--split`)", max_processes=4),
     Script("pytorch_DDP.py", "ddp", "torchrun", ALL_PRECISIONS,
            "DDP (`--sync-bn`, `--grad-accum N` with `no_sync`, `--precision` as autocast)", label="amp_"),
     Script("pytorch_DDP_ZeRO.py", "ddp_zero", "torchrun", ALL_PRECISIONS,

@@ -20,7 +20,7 @@ from .results import COLUMNS, read_rows  # noqa: E402
 
 NUMERIC = ["world_size", "image_size", "global_batch_size", "epochs", "steps", "train_time_s", "throughput_img_s",
            "peak_allocated_gib", "peak_reserved_gib", "peak_nvml_gib", "gpu_util_mean", "gpu_util_peak",
-           "train_loss", "test_accuracy", "test_samples"]
+           "train_loss", "test_accuracy", "test_samples", "num_devices", "microbatches", "pipeline_bubble_pct"]
 SECTION = ["device_name", "model", "image_size", "dataset", "global_batch_size"]
 
 
@@ -179,6 +179,37 @@ def _not_ok(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     return ["Not ok: " + "; ".join(f"{r.label}: {r.status} ({r.error or 'no message'})" for _, r in bad.iterrows())]
 
 
+def textbook_bubble(strategy: str, world: float, devices: float, microbatches: float) -> float | None:
+    """Idle share in % of p equal stages, m micro-batches: (p-1)/(m+p-1); interleaved with v=2 stages
+    per rank (p-1)/(v*m+p-1); naive model parallelism is one micro-batch on its devices."""
+    if strategy == "mp":
+        p, m, v = devices, 1, 1
+    elif strategy.startswith("pp_"):
+        p, m, v = world, microbatches, 2 if "interleaved" in strategy else 1
+    else:
+        return None
+    if math.isnan(p) or math.isnan(m) or p < 2:
+        return None
+    return 100 * (p - 1) / (v * m + p - 1)
+
+
+def _pipeline(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
+    """Model and pipeline parallelism: the measured bubble against the textbook's."""
+    split = latest(rows)
+    split = split[(split.status == "ok") & (split.strategy.eq("mp") | split.strategy.str.startswith("pp_"))]
+    if split.empty:
+        return []
+    table = []
+    for _, r in split.iterrows():
+        book = textbook_bubble(r.strategy, r.world_size, r.num_devices, r.microbatches)
+        table.append([r.label, r.strategy, _fmt(r.world_size, 0), _fmt(r.microbatches, 0),
+                      _fmt(r.pipeline_bubble_pct, 1), _fmt(book, 1),
+                      _fmt(r.throughput_img_s, 1)])
+    return ["Pipeline bubble: measured idle share of the busiest-idle device vs (p-1)/(m+p-1) for p equal "
+            "stages (measured idle also counts loss, optimizer step and data loading; see README).", ""] + \
+        _table(["run", "strategy", "world", "micro-batches", "bubble %", "textbook %", "img/s"], table)
+
+
 def _chart_links(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     return [f"![{os.path.basename(p)}](charts/{os.path.basename(p)})" for p in _charts(latest(rows), out_dir, slug)]
 
@@ -197,7 +228,7 @@ def _published(df: pd.DataFrame, reference_csv: str | None) -> list[str]:
 # The report's parts. Per setup (rows measured under the same conditions: every row of the setup,
 # repeats included), each gets (rows, chart folder, slug) and returns Markdown lines; after the
 # setups, each of GLOBAL_PARTS gets (all rows, reference CSV).
-SETUP_PARTS = [_main_table, _not_ok, _chart_links]
+SETUP_PARTS = [_main_table, _pipeline, _not_ok, _chart_links]
 GLOBAL_PARTS = [_published]
 
 

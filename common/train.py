@@ -53,6 +53,10 @@ class TrainHooks:
     evaluate: Callable | None = None  # accelerate: through gather_for_metrics
     skipped_steps: Callable[[], int | None] | None = None  # fp16 overflow skips, read after training
     optimizer: Any = None  # what holds the optimizer state (for the instruments that measure it)
+    # pipelining: the schedule runs forward and backward of all micro-batches in one call, (x, y) ->
+    # (logits, loss) on the last stage, (None, None) on the others
+    forward_backward: Callable[[torch.Tensor, torch.Tensor], tuple] | None = None
+    instruments: list = field(default_factory=list)  # the script's own instruments (pipeline bubble)
 
 
 @dataclass
@@ -137,7 +141,7 @@ class TimedWindow:
 
 def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks) -> list[Instrument]:
     """Everything measured over the timed window (common/measure/)."""
-    return [Probes(hooks.probe_devices or [hooks.device], hooks.device)]
+    return [Probes(hooks.probe_devices or [hooks.device], hooks.device), *hooks.instruments]
 
 
 def _to_device(x, y, device, input_dtype, channels_last):
@@ -181,15 +185,20 @@ def train_epoch(cfg: TrainConfig, net: nn.Module, loader, hooks: TrainHooks, win
         micro += 1
         boundary = micro % cfg.grad_accum == 0
         with nullcontext() if boundary else hooks.no_sync():
-            with hooks.ctx:
-                logits = net(x)
-                loss = F.cross_entropy(logits.float(), y)
-            hooks.backward(loss / cfg.grad_accum)
-        loss_d = loss.detach().float()
-        streak = torch.where(torch.isfinite(loss_d), torch.zeros_like(streak), streak + 1)
-        stats.loss_sum += loss_d.double() * y.shape[0]
-        stats.correct += (logits.detach().argmax(1) == y).sum()
-        stats.seen += y.shape[0]
+            if hooks.forward_backward is not None:
+                logits, loss = hooks.forward_backward(x, y)
+            else:
+                with hooks.ctx:
+                    logits = net(x)
+                    loss = F.cross_entropy(logits.float(), y)
+                hooks.backward(loss / cfg.grad_accum)
+        loss_d = None
+        if logits is not None:  # a pipeline's earlier stages hold no outputs: they count nothing
+            loss_d = loss.detach().float()
+            streak = torch.where(torch.isfinite(loss_d), torch.zeros_like(streak), streak + 1)
+            stats.loss_sum += loss_d.double() * y.shape[0]
+            stats.correct += (logits.detach().argmax(1) == y).sum()
+            stats.seen += y.shape[0]
         if not boundary:
             continue
         hooks.step()
@@ -204,13 +213,14 @@ def train_epoch(cfg: TrainConfig, net: nn.Module, loader, hooks: TrainHooks, win
     return stats, streak
 
 
-def progress(cfg: TrainConfig, window: TimedWindow, epoch: int, epoch_steps: int, spe: int, loss: torch.Tensor):
+def progress(cfg: TrainConfig, window: TimedWindow, epoch: int, epoch_steps: int, spe: int,
+             loss: torch.Tensor | None):
     if global_rank() != 0:
         return
     spent = window.elapsed()
     rate = f" img_s={window.steps * cfg.batch_size / spent:.1f}" if window.steps and spent > 0 else ""
-    print(f"[progress] epoch={epoch + 1}/{cfg.epochs} step={epoch_steps}/{spe} loss={loss.item():.4f}{rate}",
-          flush=True)
+    shown = "n/a" if loss is None else f"{loss.item():.4f}"  # rank 0 is a pipeline's first stage: no loss there
+    print(f"[progress] epoch={epoch + 1}/{cfg.epochs} step={epoch_steps}/{spe} loss={shown}{rate}", flush=True)
 
 
 def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: TrainHooks,

@@ -136,7 +136,7 @@ def test_seed_preset_commands(tmp_path):
     proc = bench(tmp_path, "--preset", "seed", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ".py" in ln and "--run-name" in ln]
-    assert len(lines) == 16
+    assert len(lines) == 18
     fsdp1 = next(ln for ln in lines if "seed/fsdp_batch1" in ln)
     assert "torchrun --nproc_per_node 2" in fsdp1 and "--batch-size 2 " in fsdp1  # 1 image per process
     assert any("deepspeed --num_gpus 2" in ln and "pytorch_DeepSpeed.py" in ln for ln in lines)

@@ -39,10 +39,10 @@ def hardware() -> tuple[int, str]:
 
 def processes(script: str, gpus: int) -> int:
     """Processes a run of `script` starts: one per GPU (2 gloo processes without GPUs) for the
-    distributed scripts, one for the rest."""
+    distributed scripts, up to the registry's max_processes; one for the rest."""
     if not BY_FILE[script].distributed:
         return 1
-    return gpus if gpus else 2
+    return min(gpus, BY_FILE[script].max_processes or gpus) if gpus else 2
 
 
 def _entries(spec: dict, path: str) -> list[dict]:

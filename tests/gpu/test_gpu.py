@@ -59,8 +59,8 @@ def gpu_cases():
 
 @pytest.mark.parametrize("entry, precision", gpu_cases())
 def test_every_script_and_precision_at_resnet50_224(tmp_path, entry, precision):
-    world = GPUS if entry.distributed or entry.one_process_gpus else 1
-    cmd, nproc = matrix.command({"script": entry.file, "nproc": GPUS if entry.distributed else 1,
+    world = matrix.processes(entry.file, GPUS) if entry.distributed else GPUS if entry.one_process_gpus else 1
+    cmd, nproc = matrix.command({"script": entry.file, "nproc": matrix.processes(entry.file, GPUS),
                                  "args": {}, "name": "gpu/" + entry.name}, GPUS, str(tmp_path / "summary.csv"))
     args = gpu_args(tmp_path, precision=precision, world=world)
     proc = subprocess.run(cmd + args, cwd=ROOT, env=matrix.run_env(nproc), capture_output=True, text=True,
@@ -110,6 +110,55 @@ def test_ddp_on_two_gpus_trains_like_one(tmp_path):
     b = torch.load(two / "ckpt" / "pytorch_DDP" / "model_final.pt", weights_only=True)
     diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     assert diff < 1e-3, diff
+
+
+def equal_to_one_gpu(tmp_path, script, nproc, **extra):
+    """SingleGPU and `script` with frozen BatchNorm on the same batches; the largest weight difference."""
+    common = dict(device="cuda", train_samples=96, batch_size=16, augment=False, freeze_bn=True, warmup_steps=0)
+    one, two = tmp_path / "one", tmp_path / "two"
+    check_ok(run("pytorch_SingleGPU.py", tiny_args(one, **common)))
+    check_ok(run(script, tiny_args(two, **common, **extra), nproc=nproc,
+                 launcher="torchrun" if nproc > 1 else "python"))
+    a = torch.load(one / "ckpt" / "pytorch_SingleGPU" / "model_final.pt", weights_only=True)
+    b = torch.load(two / "ckpt" / script[:-3] / "model_final.pt", weights_only=True)
+    (row,) = rows(two / "summary.csv")
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a), row
+
+
+@two_gpus
+def test_model_parallel_on_two_gpus_trains_like_one(tmp_path):
+    """The halves on cuda:0 and cuda:1: the same weights, two devices in the row, and each GPU idle
+    while the other works (the lighter half, layer4 with the head, idles most)."""
+    diff, row = equal_to_one_gpu(tmp_path, "pytorch_MP.py", 1)
+    assert diff < 1e-3, diff
+    assert int(row["num_devices"]) == 2 and float(row["pipeline_bubble_pct"]) > 40, row["pipeline_bubble_pct"]
+
+
+@two_gpus
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_on_two_gpus_trains_like_one(tmp_path, schedule):
+    diff, row = equal_to_one_gpu(tmp_path, "pytorch_PP.py", 2, schedule=schedule, microbatches=4)
+    assert diff < 1e-3, diff
+    assert 0 < float(row["pipeline_bubble_pct"]) < 100
+
+
+def test_bubble_lane_times_the_gpu():
+    """CUDA events on the lane's stream: the busy time is the GPU's, read after the window closes."""
+    import time
+
+    from common.measure.bubble import Bubble, Lane
+
+    lane = Lane(torch.device("cuda", 0))
+    bubble = Bubble([lane], lane.device)
+    x = torch.randn(4096, 4096, device=lane.device)
+    bubble.start()
+    start = time.perf_counter()
+    lane.timed(lambda: [x @ x for _ in range(50)])()
+    torch.cuda.synchronize()
+    time.sleep(0.2)  # idle, as long as the work or longer
+    bubble.pause()
+    assert lane.busy_s > 0 and lane.busy_s < time.perf_counter() - start
+    assert 0 < bubble.row()["pipeline_bubble_pct"] < 100
 
 
 @two_gpus

@@ -1,0 +1,115 @@
+"""Model and pipeline parallelism: the split (common/pipeline.py), the bubble instrument, the
+interleaved schedule end to end with resume, and the refusals. The weights' equivalence with one
+process is in test_equivalence.py; the default runs of pytorch_MP.py/pytorch_PP.py in test_scripts.py."""
+import time
+
+import pytest
+import torch
+from helpers import check_ok, one_line_error, rows, run, tiny_args
+from test_scripts import load_bare
+
+from common.config import TrainConfig, UsageError
+from common.measure.bubble import Bubble, Lane
+from common.models import build_model
+from common.pipeline import plan, split
+
+
+def resnet18():
+    return build_model(TrainConfig(model="resnet18", pretrained=False))
+
+
+def test_pieces_are_the_model():
+    model = resnet18().eval()
+    assert plan(model, 2) == [3, 1]  # layer4 holds most of resnet18's parameters
+    assert plan(model, 4) == [1, 1, 1, 1] and plan(model, 2, "2,2") == [2, 2]
+    pieces = split(model, [1, 2, 1])
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        y = x
+        for p in pieces:
+            y = p(y)
+        assert torch.equal(y, model(x))
+    keys = [k for p in pieces for k in p.state_dict()]
+    assert keys == list(model.state_dict())  # torchvision's keys, each once, in order
+
+
+@pytest.mark.parametrize("pieces, text, words", [
+    (5, "", "a ResNet has only 4 stages"), (2, "3,3", "summing to 4"), (2, "2,x", "as integers"),
+])
+def test_bad_splits(pieces, text, words):
+    with pytest.raises(UsageError, match=words):
+        plan(resnet18(), pieces, text)
+
+
+def test_only_resnets_split():
+    with pytest.raises(UsageError, match="ResNet-family"):
+        plan(build_model(TrainConfig(model="mobilenet_v3_small", pretrained=False)), 2)
+
+
+def test_bubble_is_the_idle_share():
+    lane = Lane(torch.device("cpu"))
+    bubble = Bubble([lane], torch.device("cpu"))
+    lane.timed(time.sleep)(0.05)  # before the window: not counted
+    bubble.start()
+    lane.timed(time.sleep)(0.1)
+    time.sleep(0.1)  # idle
+    bubble.pause()
+    lane.timed(time.sleep)(0.1)  # paused: not counted
+    bubble.stop()
+    assert 35 < bubble.row()["pipeline_bubble_pct"] < 65
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_and_resume(tmp_path):
+    """2 ranks x 2 stages (one ResNet stage each), then the same run resumed after its last epoch:
+    every rank reloads its own stages, nothing is trained, the weights are unchanged."""
+    args = tiny_args(tmp_path, schedule="interleaved-1f1b", microbatches=4)
+    check_ok(run("pytorch_PP.py", args, nproc=2, launcher="torchrun"))
+    first = load_bare(tmp_path, "pytorch_PP.py")
+    check_ok(run("pytorch_PP.py", args + ["--resume", "auto"], nproc=2, launcher="torchrun"))
+    a, b = rows(tmp_path / "summary.csv")
+    assert a["strategy"] == b["strategy"] == "pp_interleaved_1f1b" and a["microbatches"] == "4"
+    assert a["resumed"] == "False" and b["resumed"] == "True" and a["train_loss"] == b["train_loss"]
+    assert int(b["test_samples"]) == 37 and a["test_accuracy"] == b["test_accuracy"]
+    assert 0 <= float(a["pipeline_bubble_pct"]) <= 100
+    again = load_bare(tmp_path, "pytorch_PP.py")
+    assert all(torch.equal(first[k], again[k]) for k in first)
+
+
+@pytest.mark.parametrize("script, extra, words", [
+    ("pytorch_PP.py", {"microbatches": 3}, "does not split into 3 micro-batches"),
+    ("pytorch_PP.py", {"split": "1,1"}, "summing to 4"),
+    ("pytorch_MP.py", {"model": "mobilenet_v3_small"}, "split ResNet-family models"),
+])
+def test_refusals_are_one_line(tmp_path, script, extra, words):
+    assert words in one_line_error(run(script, tiny_args(tmp_path, **extra)))  # PP alone: a pipeline of one
+    assert rows(tmp_path / "summary.csv") == []
+
+
+def test_1f1b_needs_a_microbatch_per_stage(tmp_path):
+    proc = run("pytorch_PP.py", tiny_args(tmp_path, schedule="1f1b", microbatches=1), nproc=2, launcher="torchrun")
+    assert proc.returncode != 0 and "at least as many micro-batches as stages (2)" in proc.stderr
+    assert rows(tmp_path / "summary.csv") == []
+
+
+def test_a_pipeline_uses_at_most_four_processes():
+    from common.bench import matrix
+
+    assert matrix.processes("pytorch_PP.py", 8) == 4 and matrix.processes("pytorch_PP.py", 2) == 2
+    assert matrix.processes("pytorch_DDP.py", 8) == 8
+
+
+def test_report_sets_the_bubble_beside_the_textbook(tmp_path):
+    from common.report import textbook_bubble, write_report
+    from common.results import append_row
+
+    assert textbook_bubble("pp_gpipe", 2, 2, 4) == 20.0 and textbook_bubble("mp", 1, 2, float("nan")) == 50.0
+    assert textbook_bubble("pp_interleaved_1f1b", 2, 2, 4) == 100 / 9 and textbook_bubble("ddp", 2, 2, 4) is None
+    csv = str(tmp_path / "s.csv")
+    common = dict(device_name="cpu", model="resnet18", image_size=32, dataset="synthetic", global_batch_size=16,
+                  status="ok", world_size=2, num_devices=2, precision="fp32")
+    append_row(csv, {**common, "script": "pytorch_PP.py", "strategy": "pp_1f1b", "microbatches": 4,
+                     "pipeline_bubble_pct": 31.5})
+    append_row(csv, {**common, "script": "pytorch_DDP.py", "strategy": "ddp"})
+    report = open(write_report(csv, str(tmp_path / "R.md"))).read()
+    assert "| pytorch_PP fp32 x2 | pp_1f1b | 2 | 4 | 31.5 | 20.0 |" in report and "| ddp | 2 | 4 |" not in report
