@@ -9,6 +9,7 @@ reduced over ranks (row() is a collective: every rank calls it).
     probes.py       GPU memory peaks (torch.cuda, NVML) and utilization
     fingerprint.py  software and driver versions of the row
     loader.py       the input pipeline's own throughput, measured before training
+    stats.py        no instrument: median, spread and bootstrap intervals over repeated launches
 """
 from __future__ import annotations
 
