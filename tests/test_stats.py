@@ -9,7 +9,7 @@ import pytest
 from helpers import ROOT, rows
 
 import benchmark
-from common.bench.matrix import rounds
+from common.bench.matrix import done_rows, rounds
 from common.measure import stats
 from common.report import write_report
 from common.results import append_row
@@ -148,6 +148,16 @@ def test_rounds_interleave_the_runs():
     # without GPUs the GPU-only run is recorded as skipped once, not three times
     order = [(r["name"], r["args"]["repeat"]) for r in rounds(runs, 3, gpus=0)]
     assert order == [("a", 1), ("b", 1), ("a", 2), ("a", 3)]
+
+
+def test_a_launch_is_done_only_when_its_own_repeat_is_in_the_csv(tmp_path):
+    path = str(tmp_path / "s.csv")
+    for repeat in (None, 3):  # a row from before --repeats counts as the first launch
+        append_row(path, {"script": "pytorch_SingleGPU.py", "status": "ok", "run_name": "t/a", "device_name": "X",
+                          "repeat": repeat})
+    found = {r: len(done_rows(path, {"name": "t/a", "args": {"repeat": r}}, "X")) for r in (1, 2, 3)}
+    assert found == {1: 1, 2: 0, 3: 1}
+    assert done_rows(path, {"name": "t/a", "args": {"repeat": 1}}, "Y") == []  # another device
 
 
 @pytest.mark.slow
