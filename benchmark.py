@@ -4,6 +4,8 @@
     python benchmark.py --preset throughput       # ResNet50/224 speed and memory, fixed steps per script
     python benchmark.py --preset seed             # the articles' experiment for every script (hours)
     python benchmark.py --preset smoke --only pytorch_DDP.py,pytorch_FSDP.py --force
+    python benchmark.py --preset throughput --repeats 5   # each run launched 5 times, interleaved: medians and CIs
+    python benchmark.py compare BASE.csv NEW.csv  # the regression gate: exit 1 when a run got slower beyond noise
     python benchmark.py report                    # rewrite the report (and the README's tables) from the CSV
     python benchmark.py doctor                    # what a bug report needs, then the smoke preset, checked
 
@@ -11,7 +13,8 @@ The matrix lives in config/benchmark.yaml, the scripts and their launchers in co
 Each run gets the launcher it needs (python, torchrun, deepspeed, accelerate launch) and one
 process per GPU, or 2 gloo processes on a CPU-only machine. A run that fails, runs out of memory,
 diverges or passes its time limit becomes a row with that status and the matrix goes on. Runs
-already in the CSV (same run name, same device, status ok or skipped) are not run again unless --force.
+already in the CSV (same run name, same device, same launch index, status ok or skipped) are not run
+again unless --force: an interrupted matrix, run again, launches only what is missing.
 """
 from __future__ import annotations
 
@@ -70,6 +73,22 @@ def _run_args(p):
     add_matrix_args(p)
     add_output_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="launch every run N times as fresh processes, round by round across the runs; "
+                        "the report gives medians, spread and confidence intervals")
+
+
+def _compare_args(p):
+    p.add_argument("base", help="results CSV of the reference (e.g. the main branch)")
+    p.add_argument("new", help="results CSV of the candidate")
+    p.add_argument("--threshold", type=float, default=0.05,
+                   help="exit 1 when a run is slower than base by more than this fraction, beyond noise")
+
+
+def cmd_compare(opts) -> int:
+    from common.bench.compare import compare
+
+    return compare(opts.base, opts.new, opts.threshold)
 
 
 def _doctor_args(p):
@@ -92,6 +111,8 @@ COMMANDS = {
     "run": ("run a preset of the matrix, then write the report", _run_args, cmd_run),
     "report": ("rewrite the report (and with --readme the README's tables) from the CSV", _report_args,
                cmd_report),
+    "compare": ("ratio of median throughputs per run of two result CSVs with 95% CIs; exit 1 on a slowdown",
+                _compare_args, cmd_compare),
     "doctor": ("print the environment a bug report needs, run the smoke preset, check its invariants",
                _doctor_args, cmd_doctor),
 }

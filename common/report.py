@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from .config import PROJECT_ROOT  # noqa: E402
+from .measure.stats import NOISY_IQR, median, summarize  # noqa: E402
 from .results import COLUMNS, read_rows  # noqa: E402
 
 NUMERIC = ["world_size", "image_size", "global_batch_size", "epochs", "steps", "train_time_s", "throughput_img_s",
@@ -151,6 +152,34 @@ def latest(rows: pd.DataFrame) -> pd.DataFrame:
     return rows.groupby("label", dropna=False, sort=False).tail(1)
 
 
+def launches(rows: pd.DataFrame) -> pd.DataFrame:
+    """The ok rows of each run's launches (benchmark.py --repeats): the newest ok row per run label,
+    device and launch index (a row without one is the first launch), so a --force rerun replaces a
+    launch instead of adding one."""
+    ok = rows[rows.status == "ok"].copy()
+    ok["launch"] = pd.to_numeric(ok["repeat"], errors="coerce").fillna(1).astype(int)
+    return ok.groupby(["label", "device_name", "launch"], dropna=False, sort=False).tail(1)
+
+
+def _repeats_table(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
+    table = []
+    for label, runs in launches(rows).groupby("label", sort=False):
+        speed = runs.throughput_img_s.dropna().tolist()
+        if len(speed) < 2:
+            continue
+        s, times = summarize(speed), runs.train_time_s.dropna().tolist()
+        table.append([label, s.n, _fmt(median(times) if times else None, 1), _fmt(s.median, 1), _fmt(s.iqr, 1),
+                      f"{s.min:.1f}–{s.max:.1f}", f"{s.ci_low:.1f}–{s.ci_high:.1f}",
+                      f"{100 * s.iqr / s.median:.1f}%" if s.median else "–", "noisy" if s.noisy else ""])
+    if not table:
+        return []
+    return [f"Repeated launches (`--repeats`): per run, over its ok launches, the median training time and "
+            f"throughput, the throughput's interquartile range and min–max, the bootstrap 95% confidence interval "
+            f"of its median, and `noisy` where the IQR exceeds {NOISY_IQR:.0%} of the median.", ""] + \
+        _table(["run", "launches", "time s (median)", "img/s (median)", "IQR img/s", "min–max img/s",
+                "95% CI of median img/s", "IQR / median", "flag"], table)
+
+
 def _main_table(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     section = latest(rows)
     base = _baseline(section)
@@ -228,7 +257,7 @@ def _published(df: pd.DataFrame, reference_csv: str | None) -> list[str]:
 # The report's parts. Per setup (rows measured under the same conditions: every row of the setup,
 # repeats included), each gets (rows, chart folder, slug) and returns Markdown lines; after the
 # setups, each of GLOBAL_PARTS gets (all rows, reference CSV).
-SETUP_PARTS = [_main_table, _pipeline, _not_ok, _chart_links]
+SETUP_PARTS = [_main_table, _repeats_table, _pipeline, _not_ok, _chart_links]
 GLOBAL_PARTS = [_published]
 
 

@@ -170,10 +170,11 @@ def last_error_line(lines: list[str]) -> str:
 def execute(run: dict, i: int, n: int, gpus: int, results: str, log_dir: str, t0: float) -> tuple[int, str, list[str]]:
     cmd, nproc = command(run, gpus, results)
     os.makedirs(log_dir, exist_ok=True)
-    log_path = os.path.join(log_dir, run["name"].replace("/", "__") + ".log")
+    suffix = f"__repeat{run['args']['repeat']}" if run.get("repeats", 1) > 1 else ""
+    log_path = os.path.join(log_dir, run["name"].replace("/", "__") + suffix + ".log")
     start = time.time()
     name = os.path.basename(cmd[0]) if BY_FILE[run["script"]].distributed else "python"
-    print(f"[{i}/{n}] {run['name']} ({name} x{nproc})", flush=True)
+    print(f"[{i}/{n}] {label(run)} ({name} x{nproc})", flush=True)
     lines: list[str] = []
     with open(log_path, "w") as log:
         log.write(" ".join(cmd) + "\n")
@@ -217,32 +218,61 @@ def record_missing(run: dict, status: str, error: str, results: str, gpus: int) 
     try:
         cfg = resolve(DistributedConfig, {**values, "run_name": run["name"], "results": results})
     except (UsageError, TypeError):  # the run's own flags are what failed: keep what is known
-        cfg = resolve(DistributedConfig, {"run_name": run["name"], "results": results})
+        cfg = resolve(DistributedConfig, {"run_name": run["name"], "results": results,
+                                          "repeat": run["args"].get("repeat", 0)})
     row = base_row(cfg, s.file, s.strategy, s.libraries)
     used = command(run, gpus, results)[1]
     append_row(results, {**row, "world_size": used, "num_devices": used, "status": status, "error": error,
                          "cpu_threads": None})
 
 
+def repeat_of(row: dict) -> int:
+    """The launch index of a row; a row written without one (before --repeats) is the first launch."""
+    return int(row["repeat"]) if row.get("repeat") else 1
+
+
+def label(run: dict) -> str:
+    repeats = run.get("repeats", 1)
+    return run["name"] + (f" repeat {run['args']['repeat']}/{repeats}" if repeats > 1 else "")
+
+
 def done_rows(results: str, run: dict, device: str) -> list[dict]:
-    return [r for r in read_rows(results) if r["run_name"] == run["name"] and r["device_name"] == device]
+    """The rows of this run (and of this launch of it) on this device."""
+    return [r for r in read_rows(results) if r["run_name"] == run["name"] and r["device_name"] == device
+            and repeat_of(r) == run["args"]["repeat"]]
+
+
+def rounds(runs: list[dict], repeats: int, gpus: int) -> list[dict]:
+    """Every run `repeats` times, interleaved (round r of every run, then round r + 1), so that drift
+    over the matrix (thermals, other tenants, caches) hits every run alike rather than the last ones.
+    A run recorded as skipped (a GPU run on a CPU-only machine) is recorded once."""
+    out = []
+    for r in range(1, repeats + 1):
+        out += [{**run, "args": {**run["args"], "repeat": r}, "repeats": repeats} for run in runs
+                if r == 1 or not (run["gpu_only"] and not gpus)]
+    return out
 
 
 def run_matrix(opts) -> int:
     gpus, device = hardware()
     only = [s.strip() for s in opts.only.split(",")] if opts.only else None
+    repeats = getattr(opts, "repeats", 1)
+    if repeats < 1:
+        raise UsageError(f"--repeats must be >= 1; got {repeats}")
     runs = getattr(opts, "runs", None) or load_matrix(opts.matrix, opts.preset, only, gpus)
     from ..results import check_results_path
 
     check_results_path(opts.results)
-    print(f"preset {opts.preset}: {len(runs)} runs on {device} ({gpus} GPUs)" if gpus else
-          f"preset {opts.preset}: {len(runs)} runs on {device} (no GPU: 2 gloo processes per distributed run)")
+    times = f", each launched {repeats} times, round by round" if repeats > 1 else ""
+    print(f"preset {opts.preset}: {len(runs)} runs on {device} ({gpus} GPUs){times}" if gpus else
+          f"preset {opts.preset}: {len(runs)} runs on {device} (no GPU: 2 gloo processes per distributed run){times}")
+    runs = rounds(runs, repeats, gpus)
     t0 = time.time()
     failures = 0
     for i, run in enumerate(runs, 1):
         done = done_rows(opts.results, run, device)
         if not opts.force and any(r["status"] in ("ok", "skipped") for r in done):
-            print(f"[{i}/{len(runs)}] {run['name']}: already in {opts.results}, skipped (--force to rerun)")
+            print(f"[{i}/{len(runs)}] {label(run)}: already in {opts.results}, skipped (--force to rerun)")
             continue
         if opts.dry_run:
             print(" ".join(command(run, gpus, opts.results)[0]))

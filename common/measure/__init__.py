@@ -10,6 +10,7 @@ reduced over ranks (row() is a collective: every rank calls it).
     fingerprint.py  software and driver versions of the row
     loader.py       the input pipeline's own throughput, measured before training
     bubble.py       pipeline_bubble_pct: idle share of the devices of a split model
+    stats.py        no instrument: median, spread and bootstrap intervals over repeated launches
 """
 from __future__ import annotations
 
