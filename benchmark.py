@@ -6,6 +6,7 @@
     python benchmark.py --preset smoke --only pytorch_DDP.py,pytorch_FSDP.py --force
     python benchmark.py report                    # rewrite the report (and the README's tables) from the CSV
     python benchmark.py doctor                    # what a bug report needs, then the smoke preset, checked
+    python benchmark.py advise --gpus 4 --gpu-memory-gib 24   # predicted memory per strategy, and which to use
 
 The matrix lives in config/benchmark.yaml, the scripts and their launchers in common/registry.py.
 Each run gets the launcher it needs (python, torchrun, deepspeed, accelerate launch) and one
@@ -65,6 +66,18 @@ def cmd_doctor(opts) -> int:
     return doctor(opts)
 
 
+def cmd_advise(opts) -> int:
+    from common.bench.advise import advise
+
+    return advise(opts)
+
+
+def _advise_args(p):
+    from common.bench.advise import add_args
+
+    add_args(p)
+
+
 def _run_args(p):
     add_matrix_args(p)
     add_output_args(p)
@@ -93,6 +106,8 @@ COMMANDS = {
                cmd_report),
     "doctor": ("print the environment a bug report needs, run the smoke preset, check its invariants",
                _doctor_args, cmd_doctor),
+    "advise": ("predicted memory per GPU of every strategy for a model, batch and GPU count, and which to use "
+               "(no GPU needed)", _advise_args, cmd_advise),
 }
 
 

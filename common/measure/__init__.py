@@ -9,6 +9,8 @@ reduced over ranks (row() is a collective: every rank calls it).
     probes.py       GPU memory peaks (torch.cuda, NVML) and utilization
     fingerprint.py  software and driver versions of the row
     loader.py       the input pipeline's own throughput, measured before training
+    memory.py       the memory model: predicted bytes per rank by component, for every strategy
+    model_state.py  model state measured by walking tensor storages, beside the prediction
 """
 from __future__ import annotations
 
