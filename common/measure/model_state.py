@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import torch
 import torch.nn as nn
@@ -91,16 +90,6 @@ def model_state_bytes(model: nn.Module, optimizer, device_type: str) -> int:
     return walk.total
 
 
-def _main_script():
-    from ..registry import script
-
-    main = sys.modules.get("__main__")
-    try:
-        return script(getattr(main, "__file__", "") or "")
-    except KeyError:
-        return None
-
-
 def _ds_zero(cfg) -> dict:
     from ..deepspeed_config import resolve_path
 
@@ -112,7 +101,8 @@ def _ds_zero(cfg) -> dict:
 def setup_of(cfg, world: int) -> Setup | None:
     """The memory model's setup of this run, from its config and the registry (None for a script the
     model does not know)."""
-    entry = _main_script()
+    from ..registry import running as entry
+
     if entry is None:
         return None
     strategy, zero = entry.strategy, {}
@@ -130,6 +120,8 @@ def setup_of(cfg, world: int) -> Setup | None:
     if strategy == "fsdp_hybrid_offload" or strategy.endswith("zero0"):
         return None
     precision = "fp32" if strategy == "dp" else cfg.precision
+    if strategy == "dp" and torch.cuda.is_available() and str(cfg.device) != "cpu":
+        world = max(1, torch.cuda.device_count())  # one process drives every visible GPU (pytorch_DP.py)
     return Setup(model=cfg.model, image_size=cfg.image_size, batch_size=cfg.batch_size, world_size=world,
                  precision=precision, optimizer=cfg.optimizer, strategy=strategy, momentum=cfg.momentum,
                  grad_accum=cfg.grad_accum, grad_checkpointing=cfg.grad_checkpointing,
