@@ -170,9 +170,11 @@ def _memory(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     if bars:
         fig, ax = plt.subplots(figsize=(8, 0.45 * len(bars) + 1.6))
         left = [0.0] * len(bars)
-        for comp in COMPONENTS:
-            values = [b[1][comp] for b in bars]
-            ax.barh([b[0] for b in bars], values, left=left, label=comp)
+        # the bars add up to the predicted peak: gradients count only beyond the activations they replace
+        for comp in [c for c in COMPONENTS if c != "grads"] + ["grads"]:
+            values = [max(0.0, b[1]["grads"] - b[1]["activations"]) if comp == "grads" else b[1][comp] for b in bars]
+            ax.barh([b[0] for b in bars], values, left=left,
+                    label="grads beyond activations" if comp == "grads" else comp)
             left = [a + v for a, v in zip(left, values)]
         measured = [(i, b[2]) for i, b in enumerate(bars) if not math.isnan(b[2])]
         if measured:
@@ -180,7 +182,7 @@ def _memory(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
                        zorder=3, label="measured peak")
         ax.invert_yaxis()
         ax.set_xlabel("GiB per rank")
-        ax.set_title("Predicted memory by component (bars), measured peak allocated (|)", fontsize=10)
+        ax.set_title("Predicted peak by component (bars), measured peak allocated (|)", fontsize=10)
         ax.legend(fontsize=7, loc="lower right")
         fig.tight_layout()
         path = os.path.join(out_dir, f"{slug}_memory_components.png")
