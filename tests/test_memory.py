@@ -31,7 +31,7 @@ def check_model_state(row: dict) -> None:
     measured, pred = float(row["model_state_gib"]), float(row["pred_model_state_gib"])
     tol = pred_tolerance(row["script"], row["strategy"])
     assert abs(pred / measured - 1) <= tol, (row["strategy"], measured, pred)
-    assert float(row["pred_activation_gib"]) > 0 and float(row["pred_peak_gib"]) > pred
+    assert float(row["pred_activation_gib"]) > 0 and float(row["pred_peak_gib"]) >= pred
     assert row["pred_error_pct"] == ""  # CPU: no peak_allocated_gib to compare with
 
 
