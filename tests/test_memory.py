@@ -32,7 +32,10 @@ def check_model_state(row: dict) -> None:
     tol = pred_tolerance(row["script"], row["strategy"])
     assert abs(pred / measured - 1) <= tol, (row["strategy"], measured, pred)
     assert float(row["pred_activation_gib"]) > 0 and float(row["pred_peak_gib"]) >= pred
-    assert row["pred_error_pct"] == ""  # CPU: no peak_allocated_gib to compare with
+    if row["device"] == "cpu":
+        assert row["pred_error_pct"] == ""  # no peak_allocated_gib to compare with
+    else:  # the prediction leaves out workspaces and allocator rounding: close, not exact (README)
+        assert abs(float(row["pred_error_pct"])) < 50, row["pred_error_pct"]
 
 
 # one run each at 3 ranks (the 2-rank runs of every script are in test_scripts.py)
