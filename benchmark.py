@@ -8,6 +8,7 @@
     python benchmark.py compare BASE.csv NEW.csv  # the regression gate: exit 1 when a run got slower beyond noise
     python benchmark.py report                    # rewrite the report (and the README's tables) from the CSV
     python benchmark.py doctor                    # what a bug report needs, then the smoke preset, checked
+    python benchmark.py advise --gpus 4 --gpu-memory-gib 24   # predicted memory per strategy, and which to use
 
 The matrix lives in config/benchmark.yaml, the scripts and their launchers in common/registry.py.
 Each run gets the launcher it needs (python, torchrun, deepspeed, accelerate launch) and one
@@ -69,6 +70,18 @@ def cmd_doctor(opts) -> int:
     return doctor(opts)
 
 
+def cmd_advise(opts) -> int:
+    from common.bench.advise import advise
+
+    return advise(opts)
+
+
+def _advise_args(p):
+    from common.bench.advise import add_args
+
+    add_args(p)
+
+
 def _run_args(p):
     add_matrix_args(p)
     add_output_args(p)
@@ -115,6 +128,8 @@ COMMANDS = {
                 _compare_args, cmd_compare),
     "doctor": ("print the environment a bug report needs, run the smoke preset, check its invariants",
                _doctor_args, cmd_doctor),
+    "advise": ("predicted memory per GPU of every strategy for a model, batch and GPU count, and which to use "
+               "(no GPU needed)", _advise_args, cmd_advise),
 }
 
 

@@ -21,7 +21,8 @@ from .results import COLUMNS, read_rows  # noqa: E402
 
 NUMERIC = ["world_size", "image_size", "global_batch_size", "epochs", "steps", "train_time_s", "throughput_img_s",
            "peak_allocated_gib", "peak_reserved_gib", "peak_nvml_gib", "gpu_util_mean", "gpu_util_peak",
-           "train_loss", "test_accuracy", "test_samples", "num_devices", "microbatches", "pipeline_bubble_pct"]
+           "train_loss", "test_accuracy", "test_samples", "num_devices", "microbatches", "pipeline_bubble_pct",
+           "model_state_gib", "pred_model_state_gib", "pred_activation_gib", "pred_peak_gib", "pred_error_pct"]
 SECTION = ["device_name", "model", "image_size", "dataset", "global_batch_size"]
 
 
@@ -200,6 +201,68 @@ def _main_table(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
                    "train loss", "test acc", "test n"], table)
 
 
+def _memory_setup(r):
+    """The memory model's Setup of a row (None when the row names no strategy the model knows). The
+    DeepSpeed JSON is not in the row: the shipped configs' bucket sizes are assumed."""
+    from .measure.memory import STRATEGIES, Setup
+
+    strategy = {"pytorch_half_precision.py": "half", "pytorch_auto_mixed_precision.py": "amp"}.get(r.script,
+                                                                                                   r.strategy)
+    if strategy not in STRATEGIES or math.isnan(r.world_size):
+        return None
+    precision = str(r.precision).rsplit("_", 1)[-1]
+    return Setup(model=r.model, image_size=int(r.image_size), batch_size=int(r.global_batch_size),
+                 world_size=int(r.world_size), precision=precision if precision in ("fp16", "bf16") else "fp32",
+                 optimizer=r.optimizer or "sgd", strategy=strategy, grad_accum=int(float(r.grad_accum or 1)),
+                 grad_checkpointing=str(r.grad_checkpointing) == "True",
+                 zero={"reduce_bucket_size": 50_000_000, "overlap_comm": True, "contiguous_gradients": True})
+
+
+def _memory(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
+    """Predicted vs measured memory (common/measure/memory.py, model_state.py), and the predicted
+    components per run as stacked bars with the measured peak marked."""
+    from .measure.memory import COMPONENTS, predict
+
+    section = latest(rows)
+    section = section[(section.status == "ok") & section.pred_peak_gib.notna()]
+    if section.empty:
+        return []
+    table, bars = [], []
+    for _, r in section.iterrows():
+        table.append([r.label, r.strategy, _fmt(r.world_size, 0), _fmt(r.model_state_gib, 3),
+                      _fmt(r.pred_model_state_gib, 3), _fmt(r.pred_activation_gib, 3), _fmt(r.pred_peak_gib, 3),
+                      _fmt(r.peak_allocated_gib, 3), _fmt(r.pred_error_pct, 1)])
+        setup = _memory_setup(r)
+        if setup is not None:
+            bars.append((r.label, predict(setup).gib(), r.peak_allocated_gib))
+    lines = ["Memory per rank, predicted (`benchmark.py advise` model) vs measured, GiB:", ""]
+    lines += _table(["run", "strategy", "world", "model state", "pred model state", "pred activations",
+                     "pred peak", "peak alloc", "pred error %"], table)
+    if bars:
+        fig, ax = plt.subplots(figsize=(8, 0.45 * len(bars) + 1.6))
+        left = [0.0] * len(bars)
+        # the bars add up to the predicted peak: gradients count only beyond the activations they replace
+        for comp in [c for c in COMPONENTS if c != "grads"] + ["grads"]:
+            values = [max(0.0, b[1]["grads"] - b[1]["activations"]) if comp == "grads" else b[1][comp] for b in bars]
+            ax.barh([b[0] for b in bars], values, left=left,
+                    label="grads beyond activations" if comp == "grads" else comp)
+            left = [a + v for a, v in zip(left, values)]
+        measured = [(i, b[2]) for i, b in enumerate(bars) if not math.isnan(b[2])]
+        if measured:
+            ax.scatter([m for _, m in measured], [i for i, _ in measured], marker="|", s=300, color="black",
+                       zorder=3, label="measured peak")
+        ax.invert_yaxis()
+        ax.set_xlabel("GiB per rank")
+        ax.set_title("Predicted peak by component (bars), measured peak allocated (|)", fontsize=10)
+        ax.legend(fontsize=7, loc="lower right")
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{slug}_memory_components.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        lines += ["", f"![{os.path.basename(path)}](charts/{os.path.basename(path)})"]
+    return lines
+
+
 def _not_ok(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     bad = latest(rows)
     bad = bad[bad.status != "ok"]
@@ -257,7 +320,7 @@ def _published(df: pd.DataFrame, reference_csv: str | None) -> list[str]:
 # The report's parts. Per setup (rows measured under the same conditions: every row of the setup,
 # repeats included), each gets (rows, chart folder, slug) and returns Markdown lines; after the
 # setups, each of GLOBAL_PARTS gets (all rows, reference CSV).
-SETUP_PARTS = [_main_table, _repeats_table, _pipeline, _not_ok, _chart_links]
+SETUP_PARTS = [_main_table, _repeats_table, _pipeline, _not_ok, _chart_links, _memory]
 GLOBAL_PARTS = [_published]
 
 

@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+from . import registry
 from .config import PROJECT_ROOT, TrainConfig, UsageError, parse_config
 from .distributed import claim_failure_row, cleanup, global_rank, pick_device, restart_pending, restarts, world_size
 from .measure.fingerprint import fingerprint
@@ -78,6 +79,7 @@ def launch(main, script_file: str, cfg_cls=TrainConfig, **defaults) -> None:
     written by global rank 0 on success; on failure by the first rank that failed (see
     distributed.claim_failure_row), and by no one while torchrun will still restart the group."""
     entry = registry_entry(script_file)
+    registry.running = entry
     script, strategy = entry.file, entry.strategy
     doc = sys.modules["__main__"].__doc__ or ""
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")

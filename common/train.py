@@ -32,6 +32,7 @@ from .config import TrainConfig
 from .distributed import all_reduce, global_rank, reduce_metrics, synchronize
 from .measure import Instrument
 from .measure.loader import probe_loader
+from .measure.model_state import ModelState
 from .measure.probes import Probes
 from .optim import steps_per_epoch
 
@@ -141,7 +142,8 @@ class TimedWindow:
 
 def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks) -> list[Instrument]:
     """Everything measured over the timed window (common/measure/)."""
-    return [Probes(hooks.probe_devices or [hooks.device], hooks.device), *hooks.instruments]
+    probes = Probes(hooks.probe_devices or [hooks.device], hooks.device)
+    return [probes, ModelState(cfg, model, hooks.optimizer, hooks.device, probes), *hooks.instruments]
 
 
 def _to_device(x, y, device, input_dtype, channels_last):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torchvision
 from helpers import check_ok, one_line_error, rows, run, tiny_args
+from test_memory import check_model_state
 
 from common.registry import BY_FILE, SCRIPTS
 from common.results import COLUMNS
@@ -48,6 +49,7 @@ def check_row(row, script, world, precision):
         assert row[col] == "", col  # CPU: empty, never a fake zero
     assert row["device"] == "cpu" and row["torch_version"] == torch.__version__
     assert float(row["loader_img_s"]) > 0 and int(row["cpu_threads"]) >= 1
+    check_model_state(row)  # measured model state within 1% (5% DeepSpeed, accelerate) of the prediction
 
 
 def load_bare(tmp_path, script):

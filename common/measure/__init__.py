@@ -11,6 +11,8 @@ reduced over ranks (row() is a collective: every rank calls it).
     loader.py       the input pipeline's own throughput, measured before training
     bubble.py       pipeline_bubble_pct: idle share of the devices of a split model
     stats.py        no instrument: median, spread and bootstrap intervals over repeated launches
+    memory.py       the memory model: predicted bytes per rank by component, for every strategy
+    model_state.py  model state measured by walking tensor storages, beside the prediction
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torchvision
 from helpers import ROOT, check_ok, clean_env, rows, run, tiny_args
+from test_memory import check_model_state
 
 from common.bench import matrix
 from common.registry import BY_FILE, SCRIPTS
@@ -45,6 +46,7 @@ def check_gpu_row(row, world):
     for col in ("cuda_version", "cudnn_version", "nccl_version", "driver_version"):
         assert row[col], col
     assert int(row["timed_steps"]) == int(row["steps"]) - 3
+    check_model_state(row)  # measured vs predicted model state, and pred_error_pct against peak_allocated_gib
 
 
 def gpu_cases():

@@ -1,0 +1,121 @@
+"""`benchmark.py advise`: the memory model's prediction for every strategy, and which one to use.
+
+    python benchmark.py advise --model resnet50 --image-size 224 --batch-size 128 --gpus 4 --gpu-memory-gib 24
+
+One line per strategy: predicted GiB per GPU by component (common/measure/memory.py), the total at the
+peak, and whether it fits. Then a recommendation with its reason, the advice of the articles (DDP over
+DataParallel; mixed precision halves activations; shard only when the model state matters) and of
+FairScale's "which component should I use" flowchart (DDP while the model fits; then shard the
+optimizer state (OSS, ZeRO-1), then gradients (ShardedDDP, ZeRO-2), then parameters (FSDP, ZeRO-3);
+activation checkpointing when activations dominate; offload last), made quantitative: the first
+strategy in that order whose predicted peak fits with headroom.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from ..config import UsageError
+from ..measure.memory import GIB, STRATEGIES, Setup, predict
+from ..models import classification_models
+
+HEADROOM = 0.9  # the prediction leaves out the allocator's cache, workspaces and the CUDA context
+SINGLE = ("single", "half", "amp")
+# communication per step, least first: FairScale's order (DDP, then shard optimizer state, gradients,
+# parameters, then offload); DataParallel and the single-device runs are never preferred
+ORDER = ("ddp", "ddp_zero", "deepspeed_zero1", "deepspeed_zero2", "fsdp_shard-grad-op", "fsdp_full-shard",
+         "deepspeed_zero3", "fsdp_full-shard_offload", "deepspeed_zero2_offload", "deepspeed_zero3_offload")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="resnet50", help="torchvision classification model")
+    p.add_argument("--image-size", type=int, default=224, help="side of the square image, pixels")
+    p.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch per optimizer step")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (ranks) to spread it over")
+    p.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU, GiB")
+    p.add_argument("--precision", default="fp32", help="fp32, or fp16/bf16 mixed precision")
+    p.add_argument("--optimizer", default="sgd", help="sgd (momentum) or adamw")
+    p.add_argument("--grad-checkpointing", action="store_true", help="predict with activation checkpointing")
+
+
+def check(opts) -> None:
+    if opts.model not in classification_models():
+        raise UsageError(f"unknown model '{opts.model}'; any torchvision classification model, e.g. resnet50")
+    for name in ("image_size", "batch_size", "gpus"):
+        if getattr(opts, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(opts, name)}")
+    if opts.gpu_memory_gib <= 0:
+        raise UsageError(f"--gpu-memory-gib must be > 0; got {opts.gpu_memory_gib}")
+    if opts.precision not in ("fp32", "fp16", "bf16"):
+        raise UsageError(f"--precision must be fp32, fp16 or bf16; got {opts.precision!r}")
+    if opts.optimizer not in ("sgd", "adamw"):
+        raise UsageError(f"--optimizer must be sgd or adamw; got {opts.optimizer!r}")
+    if opts.batch_size % opts.gpus:
+        raise UsageError(f"--batch-size {opts.batch_size} does not divide by --gpus {opts.gpus}")
+
+
+def setups(opts) -> list[Setup]:
+    base = Setup(model=opts.model, image_size=opts.image_size, batch_size=opts.batch_size, world_size=opts.gpus,
+                 precision=opts.precision, optimizer=opts.optimizer, grad_checkpointing=opts.grad_checkpointing,
+                 zero={"reduce_bucket_size": 50_000_000, "overlap_comm": True, "contiguous_gradients": True,
+                       "stage3_param_persistence_threshold": 100_000})  # config/zero_stage*_config.json
+    half = opts.precision if opts.precision != "fp32" else "fp16"
+    out = []
+    for st in STRATEGIES:
+        if st.startswith("accelerate_") or st == "fsdp_hybrid":
+            continue  # accelerate runs the same engines; hybrid equals full-shard on one node
+        precision = {"single": "fp32", "dp": "fp32", "half": half, "amp": half}.get(st, opts.precision)
+        world = 1 if st in SINGLE else opts.gpus
+        out.append(replace(base, strategy=st, precision=precision, world_size=world))
+    return out
+
+
+def recommend(preds: dict, opts) -> str:
+    g = opts.gpu_memory_gib
+    fits = [st for st in ORDER if st in preds and preds[st].peak / GIB <= HEADROOM * g]
+    ddp = preds["ddp"]
+    act_share = ddp.activations / max(ddp.peak, 1)
+    if not fits:
+        hint = "" if opts.grad_checkpointing else " --grad-checkpointing,"
+        return (f"nothing fits in {HEADROOM:.0%} of {g:g} GiB: lower the batch, or try{hint} mixed precision "
+                f"(--precision bf16/fp16) or more GPUs; smallest predicted peak: "
+                f"{min(preds, key=lambda s: preds[s].peak)} at {min(p.peak for p in preds.values()) / GIB:.2f} GiB")
+    best = fits[0]
+    p = preds[best]
+    reason = [f"{best}: predicted peak {p.peak / GIB:.2f} GiB of {g:g} GiB, the least communication of those "
+              f"that fit"]
+    if best == "ddp":
+        saved = (ddp.peak - min(preds[s].peak for s in ORDER)) / GIB
+        reason.append(f"activations are {act_share:.0%} of DDP's peak, so sharding model state saves at most "
+                      f"{saved:.2f} GiB per GPU for more communication")
+    else:
+        reason.append(f"DDP needs {ddp.peak / GIB:.2f} GiB; {best} shards what DDP replicates "
+                      f"(model state {p.model_state / GIB:.2f} vs {ddp.model_state / GIB:.2f} GiB)")
+    if opts.precision == "fp32" and act_share > 0.5:
+        amp = predict(replace(ddp.setup, precision="fp16"))
+        reason.append(f"--precision bf16/fp16 (AMP) would cut DDP's peak to {amp.peak / GIB:.2f} GiB")
+    if preds["dp"].peak > ddp.peak and opts.gpus > 1:
+        reason.append(f"not DataParallel: GPU 0 carries {(preds['dp'].peak - ddp.peak) / GIB:.2f} GiB more "
+                      f"and one process feeds every GPU")
+    return "; ".join(reason)
+
+
+def advise(opts) -> int:
+    check(opts)
+    g = opts.gpu_memory_gib
+    print(f"{opts.model} {opts.image_size}px, global batch {opts.batch_size}, {opts.gpus} GPU(s) of {g:g} GiB, "
+          f"{opts.precision}, {opts.optimizer}{', grad checkpointing' if opts.grad_checkpointing else ''}: "
+          f"predicted GiB per GPU (busiest rank)")
+    cols = ("params", "grads", "optimizer", "master", "activations", "comm")
+    print(f"{'strategy':<24}{'gpus':>5}{'prec':>6}" + "".join(f"{c[:6]:>8}" for c in cols)
+          + f"{'peak':>8}  fits")
+    preds = {}
+    for s in setups(opts):
+        p = predict(s)
+        preds[s.strategy] = p
+        gib = p.gib()
+        fits = "yes" if gib["peak"] <= HEADROOM * g else ("tight" if gib["peak"] <= g else "no")
+        print(f"{s.strategy:<24}{s.world_size:>5}{s.precision:>6}" + "".join(f"{gib[c]:>8.2f}" for c in cols)
+              + f"{gib['peak']:>8.2f}  {fits}")
+    print("recommendation: " + recommend(preds, opts))
+    return 0

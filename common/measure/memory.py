@@ -1,0 +1,396 @@
+"""The memory model: predicted bytes per rank, by component, for every strategy of the project.
+
+    predict(Setup(model="resnet50", image_size=224, batch_size=128, world_size=4, strategy="ddp"))
+
+Components (bytes on the busiest rank's accelerator, at the training peak):
+  params       the weights the rank keeps between steps (sharded for FSDP / ZeRO-3)
+  grads        the gradients it keeps until the optimizer step (sharded for FSDP / ZeRO-2/3)
+  optimizer    optimizer states: SGD momentum 1 x, AdamW exp_avg + exp_avg_sq 2 x the parameters
+               it updates (fp32), plus AdamW's per-tensor `step` scalars
+  master       fp32 copies of half weights kept apart from the model (DeepSpeed keeps one always)
+  activations  tensors autograd saves for backward, measured from the model itself: a forward on
+               the meta device with torch.autograd.graph.saved_tensors_hooks, counting each
+               saved storage once (no memory is allocated: ResNet50/224/128 takes a second on CPU)
+  comm         communication buffers and gathered shards alive at the peak (DDP's gradient
+               buckets, FSDP's unsharded units, ZeRO-3 live parameters, DeepSpeed reduce buckets)
+  model_state  params + grads + optimizer + master: what common/measure/model_state.py measures
+  peak         params + optimizer + master + comm + max(activations, grads): with
+               zero_grad(set_to_none=True) the gradients of the last step are gone when the next
+               forward saves its activations, and backward frees activations as gradients appear.
+
+Known limits: no allocator fragmentation or caching (compare with peak_allocated_gib, not
+reserved), no cuDNN/cuBLAS workspaces, no CUDA context or NCCL buffers (peak_nvml_gib has them),
+no transient temporaries of single kernels (the backward of the largest layer), and mixed
+precision under autocast is modelled as half activations plus half copies of conv/linear weights.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn as nn
+
+GIB = 1024 ** 3
+MIB = 1024 ** 2
+ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2}
+DDP_BUCKET_CAP_MIB = 25  # torch/nn/parallel/distributed.py DistributedDataParallel(bucket_cap_mb=None -> 25)
+# DeepSpeed defaults (deepspeed/runtime/zero/config.py DeepSpeedZeroConfig)
+DS_REDUCE_BUCKET = 500_000_000
+DS_PREFETCH_BUCKET = 50_000_000
+DS_PERSISTENCE_THRESHOLD = 100_000
+DS_MAX_LIVE = 1_000_000_000
+
+# every strategy the project runs, as predict() and `benchmark.py advise` name them
+STRATEGIES = ("single", "half", "amp", "dp", "ddp", "ddp_zero", "fsdp_full-shard", "fsdp_shard-grad-op",
+              "fsdp_hybrid", "fsdp_full-shard_offload", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3",
+              "deepspeed_zero2_offload", "deepspeed_zero3_offload", "accelerate_ddp", "accelerate_fsdp",
+              "accelerate_deepspeed_zero1", "accelerate_deepspeed_zero2", "accelerate_deepspeed_zero3")
+COMPONENTS = ("params", "grads", "optimizer", "master", "activations", "comm")
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str = "resnet50"
+    image_size: int = 224
+    batch_size: int = 128  # global, per optimizer step
+    world_size: int = 1
+    precision: str = "fp32"  # fp32, or the half type of mixed / pure half precision
+    optimizer: str = "sgd"  # sgd (with momentum) or adamw
+    strategy: str = "single"
+    momentum: float = 0.9
+    grad_accum: int = 1
+    grad_checkpointing: bool = False
+    channels_last: bool = False
+    local_world_size: int = 0  # fsdp_hybrid: ranks per node (shard group); 0 = world_size
+    zero: dict = field(default_factory=dict)  # DeepSpeed's zero_optimization section (bucket sizes)
+
+    @property
+    def micro_batch(self) -> int:
+        """Images one rank's forward sees: DataParallel and single devices split nothing across processes."""
+        ranks = 1 if self.strategy in ("single", "half", "amp") else self.world_size
+        return max(1, math.ceil(self.batch_size / ranks / self.grad_accum))
+
+
+@dataclass
+class Prediction:
+    setup: Setup
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    master: float = 0.0
+    activations: float = 0.0
+    comm: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_state(self) -> float:
+        return self.params + self.grads + self.optimizer + self.master
+
+    @property
+    def peak(self) -> float:
+        return self.params + self.optimizer + self.master + self.comm + max(self.activations, self.grads)
+
+    def gib(self) -> dict:
+        out = {c: getattr(self, c) / GIB for c in COMPONENTS}
+        out.update(model_state=self.model_state / GIB, peak=self.peak / GIB)
+        return out
+
+
+# --- the model, without allocating it ------------------------------------------------------------
+
+def meta_model(name: str, grad_checkpointing: bool = False) -> nn.Module:
+    """The project's model (10-class head, its BatchNorm, optional checkpointed stages) on the meta device."""
+    from ..models import build_model
+
+    class Cfg:  # the fields build_model reads
+        model, pretrained, channels_last = name, False, False
+
+    Cfg.grad_checkpointing = grad_checkpointing
+    with torch.device("meta"):
+        return build_model(Cfg)
+
+
+@functools.lru_cache(maxsize=8)
+def model_facts(name: str) -> tuple[list[torch.Size], list[list[torch.Size]], int]:
+    """(parameter shapes, FSDP units' parameter shapes, elements of conv/linear weights) of a model."""
+    model = meta_model(name)
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
+    return [p.shape for p in model.parameters()], fsdp_units(model), matmul
+
+
+def fsdp_units(model: nn.Module) -> list[list[torch.Size]]:
+    """The FSDP units pytorch_FSDP.py and accelerate_FSDP.py make: every ResNet block, then the root
+    with what is left (stem, head). Other model families: the whole model is one unit."""
+    from ..models import stages
+
+    blocks = [b for s in stages(model) for b in s]
+    inner = {id(p) for b in blocks for p in b.parameters()}
+    root = [p.shape for p in model.parameters() if id(p) not in inner]
+    return [[p.shape for p in b.parameters()] for b in blocks] + [root]
+
+
+def _numel(shape) -> int:
+    return math.prod(shape)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    # StorageImpl address: unique per storage even on the meta device, where data_ptr() is 0
+    return t.untyped_storage()._cdata
+
+
+@contextmanager
+def _stage_tracker(model: nn.Module, current: list):
+    from ..models import stages
+
+    handles = []
+    for i, s in enumerate(stages(model)):
+        handles.append(s.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
+        handles.append(s.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@functools.lru_cache(maxsize=64)  # advise asks for the same forward under several strategies
+def saved_activation_bytes(model_name: str, image_size: int, batch: int, dtype: torch.dtype = torch.float32,
+                           channels_last: bool = False) -> tuple[int, dict]:
+    """Bytes autograd saves in one training forward of `batch` images (parameters and buffers left
+    out: they are model state), and the share saved inside each ResNet stage. A meta-device forward
+    under saved_tensors_hooks (torch/autograd/graph.py): the same autograd formulas as on a device,
+    no data. Each storage counts once (in-place ReLU saves the storage BatchNorm wrote)."""
+    model = meta_model(model_name).to(dtype=dtype)
+    for m in model.modules():  # BatchNorm statistics stay fp32, as MixedPrecisionBatchNorm2d keeps them
+        if isinstance(m, nn.BatchNorm2d):
+            m.float()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model.train()
+    owned = {_storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
+    seen: dict[int, int] = {}
+    per_stage: dict = {}
+    current = [None]
+
+    def pack(t):
+        key = _storage_key(t)
+        if key not in owned and key not in seen:
+            seen[key] = t.untyped_storage().nbytes()
+            per_stage[current[0]] = per_stage.get(current[0], 0) + seen[key]
+        return t
+
+    x = torch.empty(batch, 3, image_size, image_size, device="meta", dtype=dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with _stage_tracker(model, current), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits.float(), torch.zeros(batch, dtype=torch.long, device="meta"))
+    return sum(seen.values()), per_stage
+
+
+def activation_bytes(s: Setup) -> float:
+    """Saved activations of one rank's micro-batch, by precision and checkpointing.
+
+    Half precision of every kind computes in half: FSDP's MixedPrecisionPolicy and DeepSpeed cast the
+    parameters, autocast casts each conv/linear input and weight (its autocast fp16 list), and the
+    project's BatchNorm keeps half activations beside fp32 statistics. autocast additionally saves the
+    half copy of each conv/linear weight it made (torch/csrc/autograd autocast cache): counted here.
+    --grad-checkpointing (common/models.py CheckpointedSequential, torch.utils.checkpoint non-reentrant)
+    keeps only each stage's input; backward recomputes one stage at a time, so the largest stage's
+    own activations come back once."""
+    half = s.precision != "fp32"
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(s.precision, torch.float32)
+    total, per_stage = saved_activation_bytes(s.model, s.image_size, s.micro_batch, dtype, s.channels_last)
+    if s.grad_checkpointing and len(per_stage) > 1:
+        inside = {k: v for k, v in per_stage.items() if k is not None}
+        # the stage inputs checkpoint holds are the previous stage's outputs, which the next
+        # stage saved anyway; what remains is the outside part plus one stage recomputed
+        total = per_stage.get(None, 0) + max(inside.values())
+    if half and s.strategy in ("amp", "ddp", "ddp_zero", "dp", "accelerate_ddp"):
+        total += 2 * model_facts(s.model)[2]
+    return float(total)
+
+
+# --- sharding of the model state -----------------------------------------------------------------
+
+def _opt_slots(s: Setup) -> int:
+    """fp32 optimizer-state tensors per parameter: torch/optim/sgd.py keeps momentum_buffer only when
+    momentum != 0; torch/optim/adamw.py (adam.py _init_group) keeps exp_avg and exp_avg_sq."""
+    if s.optimizer == "adamw":
+        return 2
+    return 1 if s.momentum else 0
+
+
+def _step_bytes(s: Setup, tensors: int) -> int:
+    """AdamW's `step` is a float32 scalar tensor per parameter tensor (adam.py _init_group)."""
+    return 4 * tensors if s.optimizer == "adamw" else 0
+
+
+def _zero1_max_rank(shapes, world: int) -> list[int]:
+    """torch/distributed/optim/zero_redundancy_optimizer.py _partition_parameters: parameters sorted
+    by size, largest first, each to the rank with the smallest total so far (the first such rank).
+    Returns (numel, tensors) of the rank that holds the most."""
+    sizes, counts = [0] * world, [0] * world
+    for n in sorted((_numel(sh) for sh in shapes), reverse=True):
+        r = sizes.index(min(sizes))
+        sizes[r] += n
+        counts[r] += 1
+    r = max(range(world), key=lambda i: sizes[i])
+    return [sizes[r], counts[r]]
+
+
+def _fsdp_shard_numel(shapes, world: int) -> int:
+    """FSDP2 pads every parameter's dim-0 chunk to rank 0's (torch/distributed/fsdp/_fully_shard/
+    _fsdp_param.py _init_sharded_param: padded_sharded_size = chunks[0].size()), and each rank's
+    parameter storage is that padded shard; the reduce-scattered gradient of a unit is one flat
+    buffer of the padded shard sizes (_fsdp_collectives.py foreach_reduce)."""
+    out = 0
+    for sh in shapes:
+        rows = sh[0] if len(sh) else 1
+        out += math.ceil(rows / world) * _numel(sh[1:]) if len(sh) else 1
+    return out
+
+
+def _ds_partition(total: int, world: int, half: bool) -> int:
+    """DeepSpeed ZeRO-1/2 flattens each param group and pads it to nccl_start_alignment_factor x world
+    elements (stage_1_and_2.py __init__: alignment = 2 * world; flatten_dense_tensors_aligned), then
+    each rank owns an equal slice."""
+    align = 2 * world
+    return math.ceil(total / align) * align // world
+
+
+def predict(s: Setup) -> Prediction:
+    """Bytes per rank by component for the setup (see the module doc for each component)."""
+    if s.strategy not in STRATEGIES:
+        from ..config import UsageError
+
+        raise UsageError(f"unknown strategy {s.strategy!r}; one of {', '.join(STRATEGIES)}")
+    shapes, units, _ = model_facts(s.model)
+    n, tensors = sum(_numel(sh) for sh in shapes), len(shapes)
+    half = ITEMSIZE[s.precision]
+    w = s.world_size
+    slots = _opt_slots(s)
+    p = Prediction(s, activations=activation_bytes(s))
+    strat = s.strategy.removeprefix("accelerate_")
+    if strat in ("single", "amp", "dp", "ddp"):
+        # autocast keeps fp32 weights, gradients and optimizer state (torch/amp/autocast_mode.py casts per op)
+        p.params = p.grads = 4 * n
+        p.optimizer = 4 * slots * n + _step_bytes(s, tensors)
+    if strat == "half":  # pytorch_half_precision.py: model.to(half); SGD/AdamW state follows the param dtype
+        p.params = p.grads = half * n
+        p.optimizer = half * slots * n + _step_bytes(s, tensors)
+    if strat == "dp" and w > 1:
+        # torch/nn/parallel/data_parallel.py: the whole batch lands on device 0 and is scattered from
+        # there, outputs are gathered there, and replicate.py's Broadcast.backward reduces every
+        # replica's gradients onto device 0 (comm.reduce_add_coalesced): one more gradient-sized buffer
+        p.comm = 4 * n + 4 * s.batch_size * 3 * s.image_size ** 2
+        p.notes.append("device 0 holds the whole input batch and the reduced gradients")
+    if strat == "ddp":
+        # torch/nn/parallel/distributed.py: with gradient_as_bucket_view=False (the default, used here)
+        # the Reducer keeps its flat bucket buffers (bucket_cap_mb=25 MiB each, covering every
+        # parameter) beside param.grad: "the saved memory size will be equal to the total gradients size"
+        p.comm = 4 * n
+    if strat == "ddp_zero":
+        # DDP as above; ZeroRedundancyOptimizer shards only the optimizer state, by whole parameters
+        p.params = p.grads = p.comm = 4 * n
+        numel, count = _zero1_max_rank(shapes, w)
+        p.optimizer = 4 * slots * numel + _step_bytes(s, count)
+    if strat.startswith("fsdp") or strat == "fsdp":
+        p = _fsdp(s, p, units, tensors, slots, half)
+    if strat.startswith("deepspeed"):
+        p = _deepspeed(s, p, units, shapes, n, slots, half)
+    return p
+
+
+def _fsdp(s: Setup, p: Prediction, units, tensors, slots, half) -> Prediction:
+    """FSDP2 fully_shard per ResNet block + root (pytorch_FSDP.py; accelerate_FSDP.py with
+    config/default_FSDP.yml: full shard, no offload). Sharded parameters stay fp32 (they are the master
+    weights: MixedPrecisionPolicy casts only the all-gathered copy to param_dtype), gradients are
+    reduce-scattered in fp32 (reduce_dtype), the optimizer steps on the local shards."""
+    strat = s.strategy.removeprefix("accelerate_")
+    mode = "full-shard" if strat == "fsdp" else strat.split("_")[1]
+    offload = strat.endswith("_offload")
+    shard_world = (s.local_world_size or s.world_size) if mode == "hybrid" else s.world_size
+    shard = sum(_fsdp_shard_numel(u, shard_world) for u in units)
+    gathered = [half * sum(_numel(sh) for sh in u) for u in units]
+    if offload:
+        # torch/distributed/fsdp/_fully_shard/_fsdp_api.py CPUOffloadPolicy: sharded params, grads and
+        # the optimizer step live in host memory; the device holds only gathered units
+        p.notes.append("params, grads and optimizer state in host memory")
+    else:
+        p.params = p.grads = 4 * shard
+        p.optimizer = 4 * slots * shard + _step_bytes(s, tensors)
+    if mode == "shard-grad-op":
+        # reshard_after_forward=False: every unit stays unsharded from its forward to its backward
+        p.comm = sum(gathered)
+    else:
+        # reshard_after_forward=True: one unit in use and the next prefetched (_fsdp_state.py
+        # pre-forward prefetch; backward prefetch of the next unit), plus its reduce-scatter input
+        big = sorted(gathered, reverse=True)
+        p.comm = sum(big[:2]) + big[0] * 4 / half
+    return p
+
+
+def _deepspeed(s: Setup, p: Prediction, units, shapes, n, slots, half) -> Prediction:
+    """DeepSpeed ZeRO from the JSON's zero_optimization (pytorch_DeepSpeed.py, accelerate_DeepSpeed.py).
+
+    Stage 1/2 (deepspeed/runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__): the model's
+    parameters become views of one flat, padded buffer per group in the training dtype
+    (bit16_groups_flat); each rank keeps an fp32 clone of its 1/W slice (single_partition_of_fp32_groups,
+    cloned even in fp32 training) that the wrapped torch optimizer steps, so optimizer state is 1/W.
+    Stage 1 keeps whole gradients until the step boundary (param.grad), stage 2 only its slice
+    (grads_in_partition, contiguous_gradients) plus a reduce bucket (ipg_buffer, reduce_bucket_size
+    elements, two when overlap_comm); both step on an fp32 gradient slice.
+    Stage 3 (stage3.py DeepSpeedZeroOptimizer_Stage3): parameters are partitioned too
+    (partition_parameters.py, each parameter padded to a multiple of W); the rank keeps its fp16/32
+    partition (fp16_partitioned_groups_flat), the fp32 copy (fp32_partitioned_groups_flat), its
+    gradient slice twice (accumulation buffer, fp32 copy for the step) and the reduce bucket
+    (IPGBucketZ3.buffer, reduce_bucket_size elements however small the model), and at the peak the
+    live gathered parameters (prefetch bucket and small parameters below
+    stage3_param_persistence_threshold, which stay whole on every rank).
+    Offload (offload_optimizer/offload_param device cpu): the fp32 copy, optimizer state (and for
+    stage 3 the parameter partitions) in host memory."""
+    strat = s.strategy.removeprefix("accelerate_")
+    stage = int(strat.split("zero")[1][0])
+    offload = strat.endswith("_offload")
+    w = s.world_size
+    z = s.zero
+    part = _ds_partition(n, w, half)
+    dt = half  # the training dtype: parameters and gradients
+    opt_bytes = 4 * slots * part
+    if stage in (1, 2):
+        p.params = dt * part * w
+        p.master = 0 if offload else 4 * part
+        p.optimizer = 0 if offload else opt_bytes + _step_bytes(s, 1)
+        # at the step both stages keep only the fp32 gradient slice the optimizer reads
+        # (single_partition_of_fp32_groups[i].grad); stage 1 gets there from whole gradients that
+        # wait in param.grad until the reduce at the step boundary, stage 2 from reduce buckets
+        p.grads = 0 if offload else 4 * part
+        if stage == 1:
+            p.comm = dt * n
+        else:
+            bucket = int(z.get("reduce_bucket_size", DS_REDUCE_BUCKET))
+            p.comm = dt * min(bucket, n) * (2 if z.get("overlap_comm") else 1)
+    else:
+        threshold = int(z.get("stage3_param_persistence_threshold", DS_PERSISTENCE_THRESHOLD))
+        persistent = sum(_numel(sh) for sh in shapes if _numel(sh) <= threshold)
+        per_param = sum(math.ceil(_numel(sh) / w) for sh in shapes)
+        p.params = 0 if offload else dt * per_param
+        p.master = 0 if offload else 4 * per_param
+        p.optimizer = 0 if offload else 4 * slots * per_param + _step_bytes(s, 1)
+        # gradient slices accumulate in grad_partitions_flat_buffer (training dtype) and are
+        # flattened again into an fp32 .grad for the optimizer (_prepare_fp32_grad_for_sub_group);
+        # contiguous_gradients (on by default) allocates the reduce bucket once, whole, at init
+        bucket = int(z.get("reduce_bucket_size", DS_REDUCE_BUCKET)) if z.get("contiguous_gradients", True) else 0
+        p.grads = 0 if offload else (dt + 4) * per_param + dt * bucket
+        prefetch = int(z.get("stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET))
+        largest_unit = max(sum(_numel(sh) for sh in u) for u in units)
+        p.comm = dt * (persistent + min(n, max(prefetch, 2 * largest_unit)))
+    return p
+
+
+def setup_for(s: Setup, strategy: str) -> Setup:
+    return replace(s, strategy=strategy)
