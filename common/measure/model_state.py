@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..distributed import reduce_metrics, world_size
 from . import Instrument
-from .memory import GIB, Setup, predict
+from .memory import GIB, STRATEGIES, Setup, predict
 
 _WRAPPER_ATTRS = 4  # how deep the walk follows plain Python objects inside optimizer wrappers
 
@@ -117,8 +117,8 @@ def setup_of(cfg, world: int) -> Setup | None:
     elif entry.deepspeed_config:
         zero = _ds_zero(cfg)
         strategy = f"{strategy}_zero{zero.get('stage', 0)}" + ("_offload" if getattr(cfg, "offload", False) else "")
-    if strategy == "fsdp_hybrid_offload" or strategy.endswith("zero0"):
-        return None
+    if strategy not in STRATEGIES or strategy.endswith("zero0"):
+        return None  # a split model (mp, pp_*) or a layout the model does not reproduce: measured only
     precision = "fp32" if strategy == "dp" else cfg.precision
     if strategy == "dp" and torch.cuda.is_available() and str(cfg.device) != "cpu":
         world = max(1, torch.cuda.device_count())  # one process drives every visible GPU (pytorch_DP.py)
