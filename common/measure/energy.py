@@ -148,4 +148,4 @@ class Energy(Instrument):
         energy = total["j"] if total["missing"] == 0 else None
         images = self.steps * self.batch_size
         return {"energy_j": None if energy is None else round(energy, 3),
-                "img_per_j": round(images / energy, 4) if energy and images else None}
+                "img_per_j": float(f"{images / energy:.4g}") if energy and images else None}
