@@ -30,6 +30,8 @@ def test_rapl_counts_packages_across_a_wrap_and_not_while_paused(tmp_path):
     e.resume()
     (pkg / "energy_uj").write_text("700000\n")
     e.step()
+    e.pause()  # the last epoch's end; then evaluation, before the window is closed
+    (pkg / "energy_uj").write_text("950000\n")
     e.stop()
     assert e.row() == {"energy_j": pytest.approx(0.3), "img_per_j": pytest.approx(8 / 0.3, rel=1e-3)}
 
