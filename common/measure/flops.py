@@ -57,8 +57,9 @@ PEAK_TFLOPS = {
     "NVIDIA A10": (31.2, 62.5, 125.0, 125.0),
     # https://www.nvidia.com/en-us/data-center/l4/ (datasheet: TF32 120, FP16/BF16 242.5 with sparsity)
     "NVIDIA L4": (30.3, 60.0, 121.0, 121.0),
-    # https://www.nvidia.com/en-us/data-center/l40s/ (datasheet: TF32 366, FP16/BF16 733 with sparsity)
-    "NVIDIA L40S": (91.6, 183.0, 366.5, 366.5),
+    # https://www.nvidia.com/en-us/data-center/l40s/ (datasheet gives dense | sparse: TF32 183 | 366,
+    # FP16/BF16 362.05 | 733)
+    "NVIDIA L40S": (91.6, 183.0, 362.05, 362.05),
     # https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf
     # (RTX 4090 column; FP16/BF16 tensor with FP32 accumulate, which is what PyTorch uses)
     "NVIDIA GeForce RTX 4090": (82.6, 82.6, 165.2, 165.2),
@@ -118,7 +119,7 @@ def train_flops_per_image(model: str, image_size: int, batch: int = 2) -> float:
     return counter.get_total_flops() / batch
 
 
-def cpu_gemm_tflops(dtype: torch.dtype = torch.float32, budget_s: float = 0.2) -> float:
+def cpu_gemm_tflops(dtype: torch.dtype = torch.float32, budget_s: float = 0.1) -> float:
     """This process's matmul rate on CPU, TFLOP/s: the best of repeated n x n torch.mm in `dtype`
     with torch.get_num_threads() threads, for about budget_s. CPUs have no datasheet figure that
     PyTorch reaches (turbo, AVX clocks, the BLAS), so the peak is measured like this; every rank
