@@ -14,6 +14,7 @@ CPU: RAPL's package counters, /sys/class/powercap/intel-rapl:*/energy_uj of the 
     every `poll_s` inside the window so that no wrap goes unseen. Since Linux 5.10 energy_uj is
     readable by root only; where it is unreadable the columns stay empty.
 img_per_j: images trained inside the window (timed steps x global batch) per joule.
+A counter that did not move over the whole window (shorter than its update period) reads as empty.
 """
 from __future__ import annotations
 
@@ -145,7 +146,8 @@ class Energy(Instrument):
     def row(self) -> dict:
         j = self.joules()
         total = reduce_metrics({"j": j or 0.0, "missing": float(j is None)}, self.run_device, "sum")
-        energy = total["j"] if total["missing"] == 0 else None
+        # no change at all: a window shorter than the counter's update period, not a run that cost nothing
+        energy = total["j"] if total["missing"] == 0 and total["j"] else None
         images = self.steps * self.batch_size
         return {"energy_j": None if energy is None else round(energy, 3),
                 "img_per_j": float(f"{images / energy:.4g}") if energy and images else None}
