@@ -9,6 +9,9 @@ reduced over ranks (row() is a collective: every rank calls it).
     probes.py       GPU memory peaks (torch.cuda, NVML) and utilization
     fingerprint.py  software and driver versions of the row
     loader.py       the input pipeline's own throughput, measured before training
+    steptime.py     the step-time distribution (CUDA events on GPU, wall clock on CPU)
+    flops.py        FLOPs per training image, achieved TFLOP/s, the device's peak and MFU
+    energy.py       energy over the window (NVML on GPU, RAPL on CPU) and images per joule
 """
 from __future__ import annotations
 
