@@ -31,9 +31,12 @@ import torch.nn.functional as F
 from .config import TrainConfig
 from .distributed import all_reduce, global_rank, reduce_metrics, synchronize
 from .measure import Instrument
+from .measure.energy import Energy
+from .measure.flops import Flops
 from .measure.loader import probe_loader
 from .measure.model_state import ModelState
 from .measure.probes import Probes
+from .measure.steptime import StepTimes
 from .optim import steps_per_epoch
 
 
@@ -140,10 +143,15 @@ class TimedWindow:
         return row
 
 
-def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks) -> list[Instrument]:
-    """Everything measured over the timed window (common/measure/)."""
-    probes = Probes(hooks.probe_devices or [hooks.device], hooks.device)
-    return [probes, ModelState(cfg, model, hooks.optimizer, hooks.device, probes), *hooks.instruments]
+def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: Metrics) -> list[Instrument]:
+    """Everything measured over the timed window (common/measure/). Built before the window opens:
+    the FLOP count and the CPU matmul probe happen here, outside it."""
+    devices = hooks.probe_devices or [hooks.device]
+    probes = Probes(devices, hooks.device)
+    return [probes, ModelState(cfg, model, hooks.optimizer, hooks.device, probes), StepTimes(hooks.device),
+            Energy(devices, hooks.device, cfg.batch_size),
+            Flops(cfg.model, cfg.image_size, cfg.precision, devices, hooks.device, lambda: m.throughput_img_s),
+            *hooks.instruments]
 
 
 def _to_device(x, y, device, input_dtype, channels_last):
@@ -236,7 +244,7 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: Tr
     if cfg.compile:
         net, m.compile_time_s = compile_model(model, train_loader, hooks, cfg.channels_last)
     opens_at = cfg.timing_warmup_steps if cfg.timing_warmup_steps < spe * cfg.epochs else 0
-    window = TimedWindow(opens_at, device, build_instruments(cfg, model, hooks),
+    window = TimedWindow(opens_at, device, build_instruments(cfg, model, hooks, m),
                          *(saved["window_time"], saved["window_steps"]) if saved else ())
     streak = torch.zeros((), dtype=torch.int32, device=device)
     for epoch in range(saved["epoch"] if saved else 0, cfg.epochs):

@@ -83,7 +83,7 @@ class SpyCheckpointer:
 
 def test_fit_times_after_the_warm_up_and_saves_outside_the_window(monkeypatch):
     rec = Recorder()
-    monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks: [rec])
+    monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m: [rec])
     cfg = TrainConfig(epochs=2, timing_warmup_steps=3, log_every=0, batch_size=4, loader_probe_batches=0)
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -106,7 +106,7 @@ def test_fit_times_after_the_warm_up_and_saves_outside_the_window(monkeypatch):
 
 
 def test_time_to_target_is_the_training_time_at_the_first_epoch_that_reaches_it(monkeypatch):
-    monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks: [])
+    monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m: [])
     cfg = TrainConfig(epochs=3, timing_warmup_steps=0, log_every=0, batch_size=4, loader_probe_batches=0,
                       target_accuracy=0.6)
     model = TinyNet()

@@ -13,6 +13,9 @@ reduced over ranks (row() is a collective: every rank calls it).
     stats.py        no instrument: median, spread and bootstrap intervals over repeated launches
     memory.py       the memory model: predicted bytes per rank by component, for every strategy
     model_state.py  model state measured by walking tensor storages, beside the prediction
+    steptime.py     the step-time distribution (CUDA events on GPU, wall clock on CPU)
+    flops.py        FLOPs per training image, achieved TFLOP/s, the device's peak and MFU
+    energy.py       energy over the window (NVML on GPU, RAPL on CPU) and images per joule
 """
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ from helpers import ROOT, check_ok, clean_env, rows, run, tiny_args
 from test_memory import check_model_state
 
 from common.bench import matrix
+from common.measure.flops import MATHS, PEAK_TFLOPS
+from common.measure.probes import nvml_handle
 from common.registry import BY_FILE, SCRIPTS
 
 GPUS = torch.cuda.device_count()
@@ -47,6 +49,40 @@ def check_gpu_row(row, world):
         assert row[col], col
     assert int(row["timed_steps"]) == int(row["steps"]) - 3
     check_model_state(row)  # measured vs predicted model state, and pred_error_pct against peak_allocated_gib
+    check_efficiency(row, world)
+
+
+def nvml_energy_supported() -> bool:
+    lib, handle = nvml_handle(torch.device("cuda", 0))
+    if handle is None:
+        return False
+    try:
+        return lib.nvmlDeviceGetTotalEnergyConsumption(handle) > 0
+    except lib.NVMLError:
+        return False
+
+
+def check_efficiency(row, world):
+    """Step times from CUDA events, the datasheet peak of the run's math (MFU) and NVML energy."""
+    p50, p90 = as_float(row, "step_ms_p50"), as_float(row, "step_ms_p90")
+    mean_ms = 1000 * int(row["global_batch_size"]) / as_float(row, "throughput_img_s")
+    assert 0 < p50 <= p90 and mean_ms / 4 < p50 < 4 * mean_ms, (p50, p90, mean_ms)  # events read in ms
+    assert as_float(row, "train_gflop_per_img") == pytest.approx(24.3, rel=0.02)  # resnet50 at 224
+    label = row["precision"]  # amp_fp16, pure_bf16+bn32, mp_bf16, ds_fp16, fp32 ...
+    math_ = next((h for h in ("bf16", "fp16") if h in label), "tf32" if row["tf32"] == "True" else "fp32")
+    peak = PEAK_TFLOPS.get(row["device_name"], (None,) * 4)[MATHS.index(math_)]
+    if peak is None:  # not in the table: no figure, never a guess
+        assert row["peak_tflops"] == "" and row["mfu"] == "", row["device_name"]
+    else:
+        assert as_float(row, "peak_tflops") == pytest.approx(peak * world, rel=1e-3)
+        assert 0 < as_float(row, "mfu") <= 1
+    window_s = int(row["timed_steps"]) * mean_ms / 1000
+    if nvml_energy_supported() and window_s > 1:  # a shorter window may end before the counter moves
+        assert as_float(row, "energy_j") > 0 and as_float(row, "img_per_j") > 0
+    elif nvml_energy_supported():
+        assert row["energy_j"] == "" or as_float(row, "energy_j") > 0
+    else:
+        assert row["energy_j"] == "", "energy from a GPU without NVML's energy counter"
 
 
 def gpu_cases():

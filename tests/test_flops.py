@@ -1,0 +1,89 @@
+"""FLOPs per training image, the peak table, MFU and the step-time distribution (issue 14)."""
+import time
+
+import pytest
+import torch
+import torchvision
+from helpers import check_ok, rows, run, tiny_args
+
+from common.measure import flops as flops_mod
+from common.measure.energy import rapl_zones
+from common.measure.flops import Flops, gpu_peak_tflops, train_flops_per_image
+from common.measure.steptime import StepTimes
+
+
+def published_train_gflop(model: str) -> float:
+    """torchvision's published forward cost (its `_ops` are GMACs at 224 px) x 2 FLOP/MAC x 3
+    (forward, input gradient, weight gradient)."""
+    return torchvision.models.get_model_weights(model).DEFAULT.meta["_ops"] * 2 * 3
+
+
+def test_resnet50_training_flops_match_the_published_count_and_scale_with_image_area():
+    at_224 = train_flops_per_image("resnet50", 224) / 1e9
+    assert at_224 == pytest.approx(published_train_gflop("resnet50"), rel=0.05)  # ~4.1 GMAC forward
+    # 448 px keeps every stage's side even (at 112 the last stage rounds 3.5 up to 4)
+    assert train_flops_per_image("resnet50", 448) / 1e9 / at_224 == pytest.approx(4.0, rel=0.01)
+
+
+def test_depthwise_convolutions_are_counted_once_per_gradient():
+    """torch's conv backward formula ignores groups: MobileNet would come out ~10x too high."""
+    got = train_flops_per_image("mobilenet_v3_small", 224) / 1e9
+    assert got == pytest.approx(published_train_gflop("mobilenet_v3_small"), rel=0.1)
+
+
+def test_peak_table_is_keyed_by_exact_name_and_math():
+    assert gpu_peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.5  # dense: half the sparse 1979
+    assert gpu_peak_tflops("NVIDIA A100-SXM4-80GB", "tf32") == 156.0
+    assert gpu_peak_tflops("Tesla V100-SXM2-32GB", "tf32") == 15.7  # no TF32 before Ampere: fp32 math
+    assert gpu_peak_tflops("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16") is None  # a slice is not the board
+    assert gpu_peak_tflops("NVIDIA A100", "fp32") is None  # no prefix matching
+
+
+@pytest.mark.parametrize("name, gpus, peak", [("NVIDIA Imaginary 9000", 1, None), ("NVIDIA A100-SXM4-80GB", 2, 624.0)])
+def test_mfu_only_for_a_device_in_the_table(monkeypatch, name, gpus, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
+    devices = [torch.device("cuda", i) for i in range(gpus)]  # DataParallel: one process, every GPU
+    row = Flops("resnet18", 32, "bf16", devices, torch.device("cpu"), throughput=lambda: 1000.0).row()
+    assert row["achieved_tflops"] == pytest.approx(row["train_gflop_per_img"] * 1000.0 / 1000, rel=1e-3)
+    assert row["peak_tflops"] == peak
+    assert row["mfu"] == (None if peak is None else pytest.approx(row["achieved_tflops"] / peak, rel=1e-3))
+
+
+def test_step_times_leave_paused_time_out():
+    st = StepTimes(torch.device("cpu"))
+    st.start()
+    for _ in range(3):
+        time.sleep(0.01)
+        st.step()
+    st.pause()
+    time.sleep(0.3)  # epoch-end work
+    st.resume()
+    time.sleep(0.01)
+    st.step()
+    st.stop()
+    assert len(st.ms) == 4 and max(st.ms) < 250, st.ms
+
+
+def test_flop_count_leaves_the_rng_alone():
+    before = torch.random.get_rng_state()
+    flops_mod.cpu_gemm_tflops(budget_s=0.01)
+    train_flops_per_image("resnet18", 32)
+    assert torch.equal(before, torch.random.get_rng_state())
+
+
+@pytest.mark.slow
+def test_cpu_row_has_mfu_step_times_and_energy_where_readable(tmp_path):
+    check_ok(run("pytorch_SingleGPU.py", tiny_args(tmp_path)))
+    (row,) = rows(tmp_path / "summary.csv")
+    f = {k: float(row[k]) for k in ("train_gflop_per_img", "achieved_tflops", "peak_tflops", "mfu",
+                                    "throughput_img_s", "step_ms_p50", "step_ms_p90")}
+    assert f["train_gflop_per_img"] == pytest.approx(train_flops_per_image("resnet18", 32) / 1e9, rel=1e-3)
+    assert f["achieved_tflops"] == pytest.approx(f["train_gflop_per_img"] * f["throughput_img_s"] / 1000, rel=1e-2)
+    assert 0 < f["mfu"] <= 1 and f["mfu"] == pytest.approx(f["achieved_tflops"] / f["peak_tflops"], rel=1e-2)
+    assert 0 < f["step_ms_p50"] <= f["step_ms_p90"]
+    # 3 timed steps of 16 images: the median step cannot be longer than the whole window
+    assert f["step_ms_p50"] <= 3 * 16 / f["throughput_img_s"] * 1000
+    if rapl_zones():
+        assert float(row["energy_j"]) > 0 and float(row["img_per_j"]) > 0
+    else:  # RAPL unreadable (root-only since Linux 5.10): empty, never 0
+        assert row["energy_j"] == "" and row["img_per_j"] == ""
