@@ -4,6 +4,7 @@
     python benchmark.py --preset throughput       # ResNet50/224 speed and memory, fixed steps per script
     python benchmark.py --preset seed             # the articles' experiment for every script (hours)
     python benchmark.py --preset smoke --only pytorch_DDP.py,pytorch_FSDP.py --force
+    python benchmark.py --preset smoke --world-sizes 1,2,4,8 --scaling weak   # scaling curves per strategy
     python benchmark.py report                    # rewrite the report (and the README's tables) from the CSV
     python benchmark.py doctor                    # what a bug report needs, then the smoke preset, checked
 
@@ -33,6 +34,11 @@ def add_matrix_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matrix", default=os.path.join(ROOT, "config", "benchmark.yaml"), help="matrix file")
     p.add_argument("--log-dir", default="results/logs", help="one log file per run")
     p.add_argument("--force", action="store_true", help="rerun runs already in the CSV")
+    p.add_argument("--world-sizes", default="", help="comma-separated process counts, e.g. 1,2,4,8: every distributed "
+                   "run of the preset once per count (capped at the machine's GPUs; 1 and 2 on CPU)")
+    p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
+                   help="with --world-sizes: strong keeps the global batch; weak keeps the per-rank batch "
+                        "(the preset's batch_size and train_samples are per rank, multiplied by the world size)")
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:

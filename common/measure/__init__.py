@@ -9,6 +9,7 @@ reduced over ranks (row() is a collective: every rank calls it).
     probes.py       GPU memory peaks (torch.cuda, NVML) and utilization
     fingerprint.py  software and driver versions of the row
     loader.py       the input pipeline's own throughput, measured before training
+    comm.py         every collective of the first profiled steps, and the expected volume per strategy
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ class Instrument:
 
     def stop(self) -> None:
         pass
+
+    def untimed(self) -> tuple[int, float]:
+        """(steps, seconds) of the window this instrument perturbed, left out of throughput."""
+        return 0, 0.0
 
     def row(self) -> dict:
         return {}
