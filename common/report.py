@@ -235,6 +235,10 @@ def _scaling(df: pd.DataFrame, reference_csv: str | None, out_dir: str) -> list[
             ax.plot(runs.world_size, t0 * runs.world_size / w0, "--", color=line.get_color(), alpha=0.5)
             bx.plot(runs.world_size, runs.comm_bytes_per_step / 1e6, "o-", color=line.get_color(),
                     label=f"{strategy} {precision}")
+        for axis in (ax, bx):
+            axis.set_xticks(sorted(part.world_size.unique()))
+        ax.set_ylim(bottom=0)
+        bx.set_ylim(bottom=0)
         ax.set(xlabel="world size (processes)", ylabel="images / s", title="Throughput (dashed: ideal)")
         bx.set(xlabel="world size (processes)", ylabel="MB per step per rank", title="Communication volume")
         ax.legend(fontsize=7)

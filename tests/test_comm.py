@@ -68,6 +68,22 @@ def test_recording_follows_comm_steps(monkeypatch):
     assert not any(isinstance(i, CommRecorder) for i in build_instruments(TrainConfig(), None, hooks))
 
 
+def test_profiled_steps_are_left_out_of_throughput():
+    import torch
+
+    from common.measure import Instrument
+    from common.train import TimedWindow
+
+    class Profiled(Instrument):
+        def untimed(self):
+            return 2, 1.0
+
+    window = TimedWindow(0, torch.device("cpu"), [Profiled()], time_s=3.0, steps=5)
+    assert window.timed() == (3, 2.0)
+    window = TimedWindow(0, torch.device("cpu"), [Profiled()], time_s=1.0, steps=2)
+    assert window.timed() == (2, 1.0)  # nothing else was timed: the profiled steps stay
+
+
 def test_expected_volumes():
     b = 4 * RESNET18_PARAMS
     assert expected_bytes("ddp", "fp32", RESNET18_PARAMS) == b
@@ -96,6 +112,25 @@ def test_sharded_strategies_send_their_expected_volume(tmp_path, script, launche
     r = _measured(tmp_path, script, launcher)
     assert expected_bytes(r["strategy"], r["precision"], RESNET18_PARAMS) == factor * 4 * RESNET18_PARAMS
     assert float(r["comm_bytes_per_step"]) == pytest.approx(factor * 4 * RESNET18_PARAMS, rel=0.10), r["strategy"]
+
+
+def test_world_size_runs_names_batches_and_cap(capsys):
+    from common.bench.matrix import world_size_runs
+    from common.config import UsageError
+
+    runs = [{"name": "p/pytorch_DDP", "script": "pytorch_DDP.py", "args": {"batch_size": 32, "train_samples": 64},
+             "nproc": 2}, {"name": "p/pytorch_SingleGPU", "script": "pytorch_SingleGPU.py", "args": {}, "nproc": 1}]
+    strong = world_size_runs(runs, "1,2,4", "strong", gpus=0)
+    assert [(r["name"], r["nproc"], r["args"].get("batch_size")) for r in strong] == [
+        ("p/pytorch_DDP@w1", 1, 32), ("p/pytorch_DDP@w2", 2, 32), ("p/pytorch_SingleGPU", 1, None)]
+    assert "4 left out" in capsys.readouterr().out
+    weak = world_size_runs(runs, "2,4", "weak", gpus=4)
+    assert [(r["name"], r["args"]["batch_size"], r["args"]["train_samples"], r["args"]["scaling"])
+            for r in weak[:2]] == [("p/pytorch_DDP@w2-weak", 64, 128, "weak"),
+                                   ("p/pytorch_DDP@w4-weak", 128, 256, "weak")]
+    for bad in ("two", "0,2", "8"):
+        with pytest.raises(UsageError):
+            world_size_runs(runs, bad, "strong", gpus=4)
 
 
 @pytest.mark.slow
