@@ -38,9 +38,9 @@ def op(kind: str, n: int, elems: int, device: torch.device):
         return lambda: dist.all_reduce(buf)
     if kind == "all_gather":
         inp, out = torch.ones(shard, device=device), torch.empty(shard * n, device=device)
-        return lambda: dist.all_gather_into_tensor(out, inp)
+        return lambda: dist.all_gather_single(out, inp)
     inp, out = torch.ones(shard * n, device=device), torch.empty(shard, device=device)
-    return lambda: dist.reduce_scatter_tensor(out, inp)
+    return lambda: dist.reduce_scatter_single(out, inp)
 
 
 def main():

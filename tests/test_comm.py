@@ -8,13 +8,14 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from helpers import ROOT, TINY, check_ok, rows, run, tiny_args
+from helpers import ROOT, TINY, check_ok, clean_env, free_port, rows, run, tiny_args
 
 from common.config import TrainConfig
 from common.measure.comm import CommRecorder, analyze, expected_bytes
 from common.train import TrainHooks, build_instruments
 
 RESNET18_PARAMS = 11_181_642  # torchvision resnet18 with a 10-class fc
+FAST = {"loader_probe_batches": 0, "epoch_checkpoints": False}  # nothing these tests read
 
 
 class Event(SimpleNamespace):
@@ -95,7 +96,7 @@ def test_expected_volumes():
 
 
 def _measured(tmp_path, script, launcher, **over):
-    proc = run(script, tiny_args(tmp_path, **over), nproc=2, launcher=launcher)
+    proc = run(script, tiny_args(tmp_path, **{**FAST, **over}), nproc=2, launcher=launcher)
     check_ok(proc)
     (r,) = rows(tmp_path / "summary.csv")
     assert r["comm_calls_per_step"] and float(r["comm_ms_per_step"]) > 0 and float(r["busbw_gbps"]) > 0
@@ -138,7 +139,7 @@ def test_world_sizes_rows_ddp_volume_and_efficiency(tmp_path):
     """--world-sizes 1,2: a row per world size for the distributed run (named apart, so neither is
     skipped as done), DDP's all-reduce is 4 bytes x parameters, and the report shows the efficiency."""
     matrix = tmp_path / "m.yaml"
-    args = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in TINY.items()
+    args = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in {**TINY, **FAST}.items()
                      if k != "device")
     matrix.write_text(f"presets:\n  t:\n    timeout_s: 300\n    args: {{{args}}}\n    scripts: all\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -157,3 +158,13 @@ def test_world_sizes_rows_ddp_volume_and_efficiency(tmp_path):
     assert "## Scaling" in report and "efficiency %" in report and "| ddp | fp32 | 2 |" in report
     assert "measured/expected" in report
     assert any(c.startswith("scaling_") for c in os.listdir(tmp_path / "charts"))
+
+
+@pytest.mark.slow
+def test_collectives_benchmark_runs():
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
+                           "--master_port", str(free_port()), "benchmarks/collectives.py", "--device", "cpu",
+                           "--min-bytes", "64K", "--max-bytes", "64K", "--iters", "1", "--warmup", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [ln.split()[0] for ln in proc.stdout.splitlines()[2:]] == ["all_reduce", "all_gather", "reduce_scatter"]

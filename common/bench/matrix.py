@@ -122,7 +122,8 @@ def world_size_runs(runs: list[dict], sizes: str, scaling: str, gpus: int) -> li
             if scaling == "weak":
                 for key in ("batch_size", "train_samples"):
                     value = args.get(key, resolve(DistributedConfig, {}).__dict__[key])
-                    args[key] = int(str(value).format(world=w)) * w
+                    if not (isinstance(value, str) and "{world}" in value):  # already scales with the world
+                        args[key] = int(value) * w
             suffix = f"@w{w}" + ("-weak" if scaling == "weak" else "")
             out.append({**run, "name": run["name"] + suffix, "args": args, "nproc": w})
     return out
