@@ -96,7 +96,7 @@ def test_expected_volumes():
 
 
 def _measured(tmp_path, script, launcher, **over):
-    proc = run(script, tiny_args(tmp_path, **{**FAST, **over}), nproc=2, launcher=launcher)
+    proc = run(script, tiny_args(tmp_path, **{**FAST, **over}), nproc=2, launcher=launcher, timeout=600)
     check_ok(proc)
     (r,) = rows(tmp_path / "summary.csv")
     assert r["comm_calls_per_step"] and float(r["comm_ms_per_step"]) > 0 and float(r["busbw_gbps"]) > 0
