@@ -6,6 +6,7 @@
     python benchmark.py --preset smoke --only pytorch_DDP.py,pytorch_FSDP.py --force
     python benchmark.py --preset throughput --repeats 5   # each run launched 5 times, interleaved: medians and CIs
     python benchmark.py compare BASE.csv NEW.csv  # the regression gate: exit 1 when a run got slower beyond noise
+    python benchmark.py --preset smoke --world-sizes 1,2,4,8 --scaling weak   # scaling curves per strategy
     python benchmark.py report                    # rewrite the report (and the README's tables) from the CSV
     python benchmark.py doctor                    # what a bug report needs, then the smoke preset, checked
     python benchmark.py advise --gpus 4 --gpu-memory-gib 24   # predicted memory per strategy, and which to use
@@ -37,6 +38,11 @@ def add_matrix_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matrix", default=os.path.join(ROOT, "config", "benchmark.yaml"), help="matrix file")
     p.add_argument("--log-dir", default="results/logs", help="one log file per run")
     p.add_argument("--force", action="store_true", help="rerun runs already in the CSV")
+    p.add_argument("--world-sizes", default="", help="comma-separated process counts, e.g. 1,2,4,8: every distributed "
+                   "run of the preset once per count (capped at the machine's GPUs; 1 and 2 on CPU)")
+    p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
+                   help="with --world-sizes: strong keeps the global batch; weak keeps the per-rank batch "
+                        "(the preset's batch_size and train_samples are per rank, multiplied by the world size)")
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:

@@ -22,7 +22,8 @@ from .results import COLUMNS, read_rows  # noqa: E402
 NUMERIC = ["world_size", "image_size", "global_batch_size", "epochs", "steps", "train_time_s", "throughput_img_s",
            "peak_allocated_gib", "peak_reserved_gib", "peak_nvml_gib", "gpu_util_mean", "gpu_util_peak",
            "train_loss", "test_accuracy", "test_samples", "num_devices", "microbatches", "pipeline_bubble_pct",
-           "model_state_gib", "pred_model_state_gib", "pred_activation_gib", "pred_peak_gib", "pred_error_pct"]
+           "model_state_gib", "pred_model_state_gib", "pred_activation_gib", "pred_peak_gib", "pred_error_pct",
+           "comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step", "busbw_gbps", "comm_overlap_pct"]
 SECTION = ["device_name", "model", "image_size", "dataset", "global_batch_size"]
 
 
@@ -306,7 +307,7 @@ def _chart_links(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     return [f"![{os.path.basename(p)}](charts/{os.path.basename(p)})" for p in _charts(latest(rows), out_dir, slug)]
 
 
-def _published(df: pd.DataFrame, reference_csv: str | None) -> list[str]:
+def _published(df: pd.DataFrame, reference_csv: str | None, out_dir: str) -> list[str]:
     if not reference_csv or not os.path.exists(reference_csv):
         return []
     ref = pd.read_csv(reference_csv, dtype=str).fillna("")
@@ -317,11 +318,111 @@ def _published(df: pd.DataFrame, reference_csv: str | None) -> list[str]:
                            "time s", "test acc"], ref.values.tolist())
 
 
+def parameter_count(model: str) -> int | None:
+    """Parameters of a torchvision model with the 10-class head, counted on the meta device (no
+    weights are built or loaded)."""
+    import torch
+    import torchvision
+
+    from .models import NUM_CLASSES, replace_head
+
+    try:
+        with torch.device("meta"):
+            net = replace_head(torchvision.models.get_model(model, weights=None), NUM_CLASSES)
+    except Exception:
+        return None
+    return sum(p.numel() for p in net.parameters())
+
+
+def _comm(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
+    """Measured communication beside the volume the strategy should send (common/measure/comm.py)."""
+    from .measure.comm import expected_bytes
+
+    ok = latest(rows)
+    ok = ok[(ok.status == "ok") & (ok.world_size > 1)]
+    if ok.empty:
+        return []
+    params = parameter_count(ok.iloc[0].model)
+    table, bars = [], []
+    for _, r in ok.iterrows():
+        want = expected_bytes(r.strategy, r.precision, params) if params else None
+        got = r.comm_bytes_per_step
+        ratio = f"{got / want:.3f}" if want and not math.isnan(got) else "–"
+        table.append([r.label, r.strategy, r.precision, _fmt(r.world_size, 0), _fmt(got / 1e6, 1),
+                      _fmt(want / 1e6 if want else None, 1), ratio, _fmt(r.comm_calls_per_step, 1),
+                      _fmt(r.comm_ms_per_step, 1), _fmt(r.busbw_gbps, 2), _fmt(r.comm_overlap_pct, 0)])
+        bars.append((r.label, got, want))
+    lines = ["Communication per optimizer step and rank (first --comm-steps steps of the timed window; "
+             f"expected from {params:,} parameters, README \"Communication\")." if params else
+             "Communication per optimizer step and rank.", ""]
+    lines += _table(["run", "strategy", "precision", "world", "MB/step", "expected MB", "measured/expected",
+                     "calls/step", "comm ms/step", "busbw GB/s", "overlap %"], table)
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(bars) + 1.4))
+    ys = range(len(bars))
+    ax.barh([y - 0.2 for y in ys], [0 if math.isnan(b[1]) else b[1] / 1e6 for b in bars], height=0.4,
+            label="measured", color="#4C72B0")
+    ax.barh([y + 0.2 for y in ys], [(b[2] or 0) / 1e6 for b in bars], height=0.4, label="expected", color="#DD8452")
+    ax.set_yticks(list(ys), [b[0] for b in bars])
+    ax.invert_yaxis()
+    ax.set_xlabel("MB per optimizer step per rank (message size S)")
+    ax.set_title("Communication volume per strategy", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{slug}_comm_bytes.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return lines + ["", f"![{os.path.basename(path)}](charts/{os.path.basename(path)})"]
+
+
+def _scaling(df: pd.DataFrame, reference_csv: str | None, out_dir: str) -> list[str]:
+    """Throughput against world size per strategy (benchmark.py --world-sizes), with the ideal line
+    (the smallest world's throughput x w / w0) and the scaling efficiency (measured / ideal)."""
+    ok = df[(df.status == "ok") & df.scaling.isin(["strong", "weak"])]
+    if ok.empty:
+        return []
+    lines = ["## Scaling (benchmark.py --world-sizes)", "",
+             "Strong: the global batch is fixed; weak: the per-rank batch is fixed. Efficiency = throughput / "
+             "(throughput at the smallest world size x w / w0); the bytes per step explain what it costs.", ""]
+    for key, part in ok.groupby(["device_name", "model", "image_size", "dataset", "scaling"], sort=False):
+        device, model, size, dataset, scaling = key
+        title = f"{device}: {model} at {_fmt(size, 0)} px, {dataset}, {scaling} scaling"
+        table = []
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+        for (strategy, precision), runs in part.groupby(["strategy", "precision"], sort=False):
+            runs = runs.groupby("world_size").tail(1).sort_values("world_size")
+            w0, t0 = runs.world_size.iloc[0], runs.throughput_img_s.iloc[0]
+            for _, r in runs.iterrows():
+                ideal = t0 * r.world_size / w0
+                table.append([strategy, precision, _fmt(r.world_size, 0), _fmt(r.global_batch_size, 0),
+                              _fmt(r.throughput_img_s, 1), _fmt(ideal, 1), f"{100 * r.throughput_img_s / ideal:.0f}",
+                              _fmt(r.comm_bytes_per_step / 1e6, 1)])
+            line = ax.plot(runs.world_size, runs.throughput_img_s, "o-", label=f"{strategy} {precision}")[0]
+            ax.plot(runs.world_size, t0 * runs.world_size / w0, "--", color=line.get_color(), alpha=0.5)
+            bx.plot(runs.world_size, runs.comm_bytes_per_step / 1e6, "o-", color=line.get_color(),
+                    label=f"{strategy} {precision}")
+        for axis in (ax, bx):
+            axis.set_xticks(sorted(part.world_size.unique()))
+        ax.set_ylim(bottom=0)
+        bx.set_ylim(bottom=0)
+        ax.set(xlabel="world size (processes)", ylabel="images / s", title="Throughput (dashed: ideal)")
+        bx.set(xlabel="world size (processes)", ylabel="MB per step per rank", title="Communication volume")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"scaling_{_slug(title)}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        lines += [f"### {title}", ""]
+        lines += _table(["strategy", "precision", "world", "global batch", "img/s", "ideal img/s", "efficiency %",
+                         "comm MB/step"], table)
+        lines += ["", f"![{os.path.basename(path)}](charts/{os.path.basename(path)})", ""]
+    return lines
+
+
 # The report's parts. Per setup (rows measured under the same conditions: every row of the setup,
 # repeats included), each gets (rows, chart folder, slug) and returns Markdown lines; after the
-# setups, each of GLOBAL_PARTS gets (all rows, reference CSV).
-SETUP_PARTS = [_main_table, _repeats_table, _pipeline, _not_ok, _chart_links, _memory]
-GLOBAL_PARTS = [_published]
+# setups, each of GLOBAL_PARTS gets (all rows, reference CSV, chart folder).
+SETUP_PARTS = [_main_table, _repeats_table, _pipeline, _not_ok, _chart_links, _memory, _comm]
+GLOBAL_PARTS = [_published, _scaling]
 
 
 def write_report(results_csv: str, report_md: str, reference_csv: str | None = None) -> str:
@@ -345,7 +446,7 @@ def write_report(results_csv: str, report_md: str, reference_csv: str | None = N
             got = part(rows, out_dir, _slug(title))
             lines += got + ([""] if got else [])
     for part in GLOBAL_PARTS:
-        got = part(df, reference_csv)
+        got = part(df, reference_csv, out_dir)
         lines += got + ([""] if got else [])
     with open(report_md, "w") as fh:
         fh.write("\n".join(lines) + "\n")

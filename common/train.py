@@ -10,6 +10,9 @@ Timing (what the CSV's columns mean):
                     --target-accuracy) is paused out of it. throughput_img_s, the memory peaks,
                     utilization and every other instrument of common/measure/ cover this window.
                     A run with no more steps than the warm-up is timed whole (timed_steps = steps).
+                    In a distributed run the first --comm-steps steps of the window are profiled
+                    (common/measure/comm.py) and left out of throughput_img_s and timed_steps,
+                    unless the window has no other steps.
 The hot loop keeps loss and accuracy sums on the device: the host waits on the device only at
 progress lines (every `log_every` steps) and epoch ends.
 """
@@ -29,8 +32,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import TrainConfig
-from .distributed import all_reduce, global_rank, reduce_metrics, synchronize
+from .distributed import all_reduce, global_rank, reduce_metrics, synchronize, world_size
 from .measure import Instrument
+from .measure.comm import CommRecorder
 from .measure.energy import Energy
 from .measure.flops import Flops
 from .measure.loader import probe_loader
@@ -133,6 +137,15 @@ class TimedWindow:
     def elapsed(self) -> float:
         return self.time_s + (time.perf_counter() - self.t0 if self.running else 0.0)
 
+    def timed(self) -> tuple[int, float]:
+        """(steps, seconds) that throughput counts: the window less what instruments left out of it
+        (the profiled communication steps), unless that leaves nothing."""
+        steps, seconds = self.steps, self.time_s
+        for i in self.instruments:
+            s, t = i.untimed()
+            steps, seconds = steps - s, seconds - t
+        return (steps, seconds) if steps > 0 and seconds > 0 else (self.steps, self.time_s)
+
     def close(self) -> dict:
         """Stops the instruments and returns their columns (a collective: every rank calls it)."""
         row = {}
@@ -148,10 +161,15 @@ def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: 
     the FLOP count and the CPU matmul probe happen here, outside it."""
     devices = hooks.probe_devices or [hooks.device]
     probes = Probes(devices, hooks.device)
-    return [probes, ModelState(cfg, model, hooks.optimizer, hooks.device, probes), StepTimes(hooks.device),
-            Energy(devices, hooks.device, cfg.batch_size),
-            Flops(cfg.model, cfg.image_size, cfg.precision, devices, hooks.device, lambda: m.throughput_img_s),
-            *hooks.instruments]
+    profiled = cfg.comm_steps if world_size() > 1 else 0
+    instruments: list[Instrument] = [
+        probes, ModelState(cfg, model, hooks.optimizer, hooks.device, probes), StepTimes(hooks.device, profiled),
+        Energy(devices, hooks.device, cfg.batch_size),
+        Flops(cfg.model, cfg.image_size, cfg.precision, devices, hooks.device, lambda: m.throughput_img_s),
+        *hooks.instruments]
+    if profiled:
+        instruments.append(CommRecorder(cfg.comm_steps, hooks.device))
+    return instruments
 
 
 def _to_device(x, y, device, input_dtype, channels_last):
@@ -259,8 +277,8 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: Tr
         window.epoch_end()
         _check_finite(streak, cfg)
         epoch_end(cfg, model, test_loader, hooks, window, m, stats, epoch, checkpointer)
-    m.timed_steps = window.steps
-    m.throughput_img_s = window.steps * cfg.batch_size / window.time_s if window.time_s else 0.0
+    m.timed_steps, timed_s = window.timed()
+    m.throughput_img_s = m.timed_steps * cfg.batch_size / timed_s if timed_s else 0.0
     m.extra = {**window.close(), **loader_row(loader_img_s, m.throughput_img_s)}
     if saved and saved["epoch"] == cfg.epochs:  # resumed after the last epoch: nothing left to train
         m.train_loss, m.train_accuracy = saved["train_loss"], saved["train_accuracy"]

@@ -93,6 +93,42 @@ def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int) -> li
     return runs
 
 
+def world_size_runs(runs: list[dict], sizes: str, scaling: str, gpus: int) -> list[dict]:
+    """Each distributed run once per process count of `sizes` ("1,2,4,8"), capped at the GPUs (2 on
+    CPU); the others once. Strong scaling keeps the global batch; weak keeps the per-rank batch, so
+    the preset's batch_size (and train_samples, to keep the step count) is multiplied by the count.
+    The count is in the run name: the done-row skipping tells the world sizes apart."""
+    try:
+        counts = sorted({int(v) for v in sizes.split(",") if v.strip()})
+    except ValueError:
+        raise UsageError(f"--world-sizes: expected comma-separated integers, got '{sizes}'") from None
+    cap = gpus if gpus else 2
+    if not counts or counts[0] < 1:
+        raise UsageError(f"--world-sizes: process counts must be >= 1, got '{sizes}'")
+    kept = [c for c in counts if c <= cap]
+    if len(kept) < len(counts):
+        print(f"--world-sizes: {', '.join(str(c) for c in counts if c > cap)} left out: "
+              f"this machine runs at most {cap} processes per run")
+    if not kept:
+        raise UsageError(f"--world-sizes {sizes}: none fits on this machine (at most {cap} processes)")
+    out = []
+    for run in runs:
+        s = BY_FILE[run["script"]]
+        if not s.distributed:
+            out.append(run)
+            continue
+        for w in kept:
+            args = {**run["args"], "scaling": scaling}
+            if scaling == "weak":
+                for key in ("batch_size", "train_samples"):
+                    value = args.get(key, resolve(DistributedConfig, {}).__dict__[key])
+                    if not (isinstance(value, str) and "{world}" in value):  # already scales with the world
+                        args[key] = int(value) * w
+            suffix = f"@w{w}" + ("-weak" if scaling == "weak" else "")
+            out.append({**run, "name": run["name"] + suffix, "args": args, "nproc": w})
+    return out
+
+
 def visible_gpu_ids() -> list[str] | None:
     """CUDA_VISIBLE_DEVICES as a list of ids, or None when unset."""
     value = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -260,6 +296,8 @@ def run_matrix(opts) -> int:
     if repeats < 1:
         raise UsageError(f"--repeats must be >= 1; got {repeats}")
     runs = getattr(opts, "runs", None) or load_matrix(opts.matrix, opts.preset, only, gpus)
+    if getattr(opts, "world_sizes", ""):
+        runs = world_size_runs(runs, opts.world_sizes, opts.scaling, gpus)
     from ..results import check_results_path
 
     check_results_path(opts.results)

@@ -16,6 +16,7 @@ reduced over ranks (row() is a collective: every rank calls it).
     steptime.py     the step-time distribution (CUDA events on GPU, wall clock on CPU)
     flops.py        FLOPs per training image, achieved TFLOP/s, the device's peak and MFU
     energy.py       energy over the window (NVML on GPU, RAPL on CPU) and images per joule
+    comm.py         every collective of the first profiled steps, and the expected volume per strategy
 """
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ class Instrument:
 
     def stop(self) -> None:
         pass
+
+    def untimed(self) -> tuple[int, float]:
+        """(steps, seconds) of the window this instrument perturbed, left out of throughput."""
+        return 0, 0.0
 
     def row(self) -> dict:
         return {}

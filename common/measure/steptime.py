@@ -6,7 +6,8 @@ so paused epoch-end work (checkpoint saves, evaluation) and the warm-up steps ar
 On GPU each step end is a CUDA event recorded on the run device's current stream: no host sync in
 the loop; the events are read when the window pauses or stops, where the device is already
 synchronized. On CPU, where work is synchronous, it is the wall clock. Across ranks each
-percentile is the max over ranks: the slowest rank sets the pace of a synchronous step.
+percentile is the max over ranks: the slowest rank sets the pace of a synchronous step. The first `skip` steps (the profiled communication steps of common/measure/comm.py,
+slowed by the profiler) are left out, unless that leaves none.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from . import Instrument
 
 
 class StepTimes(Instrument):
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, skip: int = 0):
+        self.device, self.skip = device, skip
         self.cuda = device.type == "cuda"
         self.marks: list = []  # this segment's step ends (CUDA events or perf_counter values)
         self.ms: list[float] = []
@@ -52,6 +53,7 @@ class StepTimes(Instrument):
     stop = pause
 
     def row(self) -> dict:
-        p50, p90 = np.percentile(self.ms, [50, 90]).tolist() if self.ms else (None, None)
+        ms = self.ms[self.skip:] or self.ms
+        p50, p90 = np.percentile(ms, [50, 90]).tolist() if ms else (None, None)
         out = reduce_metrics({"step_ms_p50": p50, "step_ms_p90": p90}, self.device, "max")
         return {k: None if v is None else round(v, 3) for k, v in out.items()}

@@ -254,3 +254,17 @@ def test_doctor_passes_on_this_gpu_machine(tmp_path):
                           timeout=1800)
     assert proc.returncode == 0, proc.stdout[-5000:]
     assert ", 0 fail" in proc.stdout
+
+
+@two_gpus
+@pytest.mark.parametrize("script,launcher,factor", [("pytorch_DDP.py", "torchrun", 1.0),
+                                                    ("pytorch_FSDP.py", "torchrun", 3.0)])
+def test_comm_columns_from_nccl_kernels(tmp_path, script, launcher, factor):
+    """The CUDA path of common/measure/comm.py: bytes from the nccl:* events' input tensors, time and
+    overlap from the NCCL kernels (ncclDevKernel_*) against the other kernels."""
+    check_ok(run(script, gpu_args(tmp_path, world=2, model="resnet18"), nproc=2, launcher=launcher))
+    (row,) = rows(tmp_path / "summary.csv")
+    check_gpu_row(row, 2)
+    assert as_float(row, "comm_bytes_per_step") == pytest.approx(factor * 4 * 11_181_642, rel=0.10)
+    assert as_float(row, "comm_ms_per_step") > 0 and as_float(row, "busbw_gbps") > 0
+    assert 0 <= as_float(row, "comm_overlap_pct") <= 100

@@ -1,0 +1,89 @@
+"""Bus bandwidth of all-reduce, all-gather and reduce-scatter over message sizes on this machine:
+the ceiling the strategies' busbw_gbps column is compared with (nccl-tests' method, in torch).
+
+    torchrun --nproc_per_node 4 benchmarks/collectives.py                 # GPUs: nccl
+    torchrun --nproc_per_node 2 benchmarks/collectives.py --device cpu    # gloo
+    torchrun --nproc_per_node 8 benchmarks/collectives.py --min-bytes 1M --max-bytes 1G --iters 50
+
+Message size S as nccl-tests counts it (doc/PERFORMANCE.md): the all-reduce buffer, the all-gather
+output, the reduce-scatter input. Per size: `warmup` untimed calls, then `iters` calls timed
+together (device synchronized, barrier before), time = the slowest rank's mean. algbw = S / time;
+busbw = algbw x 2(n-1)/n (all-reduce) or (n-1)/n (all-gather, reduce-scatter), which for a ring
+is what each link carried, comparable across world sizes.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.distributed import synchronize as sync  # noqa: E402
+from common.measure.comm import bus_factor  # noqa: E402
+
+UNITS = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+
+
+def size(text: str) -> int:
+    return int(float(text[:-1]) * UNITS[text[-1].upper()]) if text[-1].upper() in UNITS else int(text)
+
+
+def op(kind: str, n: int, elems: int, device: torch.device):
+    """A closure issuing one collective of message size elems x 4 bytes (S as nccl-tests counts it)."""
+    shard = max(1, elems // n)
+    if kind == "all_reduce":
+        buf = torch.ones(shard * n, device=device)
+        return lambda: dist.all_reduce(buf)
+    if kind == "all_gather":
+        inp, out = torch.ones(shard, device=device), torch.empty(shard * n, device=device)
+        return lambda: dist.all_gather_single(out, inp)
+    inp, out = torch.ones(shard * n, device=device), torch.empty(shard, device=device)
+    return lambda: dist.reduce_scatter_single(out, inp)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--min-bytes", default="64K", help="smallest S (K, M, G suffixes: powers of 1024)")
+    p.add_argument("--max-bytes", default="64M", help="largest S; sizes double from the smallest")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    a = p.parse_args()
+    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    n, rank = dist.get_world_size(), dist.get_rank()
+    if rank == 0:
+        print(f"{dist.get_backend()} on {n} ranks ({device.type}); GB/s = 1e9 bytes/s")
+        print(f"{'collective':>15} {'S bytes':>12} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        s = size(a.min_bytes)
+        while s <= size(a.max_bytes):
+            call = op(kind, n, s // 4, device)
+            nbytes = (s // 4 // n) * n * 4
+            for _ in range(a.warmup):
+                call()
+            sync(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(a.iters):
+                call()
+            sync(device)
+            elapsed = torch.tensor([(time.perf_counter() - t0) / a.iters], dtype=torch.float64, device=device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            t = elapsed.item()
+            if rank == 0:
+                algbw = nbytes / t / 1e9
+                print(f"{kind:>15} {nbytes:>12} {t * 1e6:>10.1f} {algbw:>11.3f} {algbw * bus_factor(kind, n):>11.3f}",
+                      flush=True)
+            s *= 2
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""What each rank sends: every collective of the first `comm_steps` optimizer steps of the timed
+window, recorded with torch.profiler, and the volume each strategy is expected to send.
+
+Source of truth: the backend's own work events, `gloo:<op>` / `nccl:<op>` (ProcessGroupGloo and
+ProcessGroupNCCL record them with the op's input tensors, so shapes and dtypes come with them). The
+dispatcher events around them (`c10d::allreduce_`, `c10d::_reduce_scatter_base_`) and NCCL's
+`record_param_comms` describe the same call a second time and are not counted; `nccl:coalesced`
+(a group of ops already counted one by one) and barriers are not payload. What the backend ran is
+what counts: gloo carries FSDP's reduce-scatter as a `gloo:all_reduce` of the full input, so the
+row counts it as an all-reduce of that size (same bytes, all-reduce bus factor).
+
+Columns, per optimizer step and per rank, mean over ranks:
+  comm_bytes_per_step  message size S as nccl-tests counts it (PERFORMANCE.md): all-reduce,
+                       reduce-scatter, broadcast and reduce: the full buffer; all-gather: the gathered
+                       output (the recorded input shard x world size).
+  comm_calls_per_step  backend collectives issued.
+  comm_ms_per_step     wall time with at least one collective in flight: on CPU the gloo worker
+                       threads' spans, on GPU the NCCL kernels' (the CPU-side nccl event only enqueues).
+                       It includes waiting for the slowest rank to arrive, as nccl-tests' timing does.
+  busbw_gbps           sum(S x bus factor) / comm time, GB/s (1e9): factors 2(n-1)/n all-reduce,
+                       (n-1)/n all-gather, reduce-scatter and all-to-all, 1 broadcast and reduce.
+  comm_overlap_pct     share of comm_ms during which compute ran at the same time: on GPU non-NCCL
+                       kernels on any stream, on CPU aten ops on the training threads (not the gloo
+                       workers, not waits). On CPU both share the same cores, so overlap there means
+                       concurrency, not that the cost was hidden.
+
+The profiled steps are left out of throughput_img_s (common/train.py subtracts `untimed()`):
+recording shapes and, on GPU, CUDA activity costs per op, and stopping the profiler processes the
+trace. A window no longer than comm_steps keeps them (there is nothing else to time). Memory peaks
+and utilization still cover the whole window.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..distributed import reduce_metrics, synchronize, world_size
+from . import Instrument
+
+# backend op name (after "gloo:" / "nccl:") -> the nccl-tests kind it is timed and counted as
+KINDS = {
+    "all_reduce": "all_reduce", "allreduce_coalesced": "all_reduce", "sparse_all_reduce": "all_reduce",
+    "all_gather": "all_gather", "_all_gather_base": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast": "broadcast", "_broadcast_oop": "broadcast", "reduce": "reduce", "_reduce_oop": "reduce",
+    "all_to_all": "all_to_all", "gather": "gather", "gather_single": "gather", "scatter": "scatter",
+    "send": "send", "recv": "recv",
+}
+ELEMENT_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
+                 "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
+
+
+def bus_factor(kind: str, n: int) -> float:
+    """nccl-tests' busBw / algBw (doc/PERFORMANCE.md)."""
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        return (n - 1) / n
+    return 1.0
+
+
+def message_bytes(kind: str, shapes, dtypes, n: int) -> int:
+    """S of one call from its recorded input tensors (all-gather records the shard)."""
+    total = 0
+    for shape, dtype in zip(shapes, dtypes):
+        if dtype in ELEMENT_BYTES and isinstance(shape, list):
+            numel = 1
+            for d in shape:
+                numel *= d
+            total += numel * ELEMENT_BYTES[dtype]
+    return total * n if kind == "all_gather" else total
+
+
+def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(intervals) -> int:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(xs, ys) -> int:
+    """Length of the intersection of two sorted unions."""
+    i = j = total = 0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0, hi - lo)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def analyze(events, n: int, steps: int) -> dict:
+    """The columns from profiler events (torch's _KinetoEvent: name(), shapes(), dtypes(), start_ns(),
+    duration_ns(), start_thread_id(), device_type() -- what torch.autograd.profiler builds its
+    FunctionEvents from; FunctionEvent drops the dtypes)."""
+    calls, bus_bytes, payload = 0, 0.0, 0
+    cpu_comm, threads, gpu_comm, gpu_compute, cpu_ops = [], set(), [], [], []
+    for e in events:
+        name = e.name()
+        span = (e.start_ns(), e.start_ns() + e.duration_ns())
+        if e.device_type() == torch.autograd.DeviceType.CUDA:
+            (gpu_comm if "nccl" in name.lower() else gpu_compute).append(span)
+            continue
+        backend, _, op = name.partition(":")
+        if backend in ("gloo", "nccl") and op in KINDS:
+            kind = KINDS[op]
+            size = message_bytes(kind, e.shapes(), e.dtypes(), n)
+            calls, payload = calls + 1, payload + size
+            bus_bytes += size * bus_factor(kind, n)
+            if backend == "gloo":
+                cpu_comm.append(span)
+                threads.add(e.start_thread_id())
+        elif name.startswith("aten::") and "wait" not in name:
+            cpu_ops.append((e.start_thread_id(), span))
+    comm = _union(gpu_comm if gpu_comm else cpu_comm)
+    compute = _union(gpu_compute if gpu_comm else [s for t, s in cpu_ops if t not in threads])
+    comm_ns = _length(comm)
+    return {"comm_bytes_per_step": payload / steps, "comm_calls_per_step": calls / steps,
+            "comm_ms_per_step": comm_ns / 1e6 / steps if calls else None,
+            "busbw_gbps": bus_bytes / comm_ns if comm_ns else None,  # bytes per ns = GB/s
+            "comm_overlap_pct": 100.0 * _intersection(comm, compute) / comm_ns if comm_ns else None}
+
+
+class CommRecorder(Instrument):
+    """Profiles the first `steps` optimizer steps of the timed window (stopped early at a pause)."""
+
+    def __init__(self, steps: int, device: torch.device):
+        self.steps, self.device = steps, device
+        self.prof, self.done, self.t0, self.spent = None, 0, 0.0, 0.0
+        self.events: list | None = None
+
+    def start(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.t0 = time.perf_counter()
+        self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
+        self.prof.start()
+
+    def step(self) -> None:
+        if self.prof is not None:
+            self.done += 1
+            if self.done >= self.steps:
+                self._finish(in_window=True)
+
+    def pause(self) -> None:
+        if self.prof is not None:
+            self._finish(in_window=False)
+
+    def stop(self) -> None:
+        self.pause()
+
+    def _finish(self, in_window: bool) -> None:
+        synchronize(self.device)
+        end = time.perf_counter()
+        self.prof.stop()
+        self.events = self.prof.profiler.kineto_results.events()
+        self.spent = (time.perf_counter() if in_window else end) - self.t0
+        self.prof = None
+
+    def untimed(self) -> tuple[int, float]:
+        return (self.done, self.spent) if self.events is not None else (0, 0.0)
+
+    def row(self) -> dict:
+        local = (analyze(self.events, world_size(), self.done) if self.events is not None and self.done
+                 else dict.fromkeys(("comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step",
+                                     "busbw_gbps", "comm_overlap_pct")))
+        out = reduce_metrics(local, self.device, "mean")
+        return {k: None if v is None else round(v, 3) for k, v in out.items()}
+
+
+# --- the expected volume: S per optimizer step per rank, in units of the parameter bytes B ---
+# Sources: nccl-tests doc/PERFORMANCE.md (S and the bus factors); ZeRO (Rajbhandari et al. 2020,
+# section 7): DDP and ZeRO-1/2 move 2B on the wire per rank (reduce-scatter + all-gather, or the
+# all-reduce that is both), ZeRO-3 3B (parameters gathered in forward and again in backward).
+# In S terms (what the column counts): an all-reduce of the gradients is S = B.
+EXPECTED = [  # (strategy prefix, factor x B, what is sent), first match wins
+    ("dp", 2.0, "broadcast the weights to every GPU + reduce the gradients to GPU 0 (torch.cuda.comm)"),
+    ("ddp_zero", 2.0, "all-reduce the gradients + broadcast each rank's updated shard"),
+    ("ddp", 1.0, "all-reduce the gradients"),
+    ("accelerate_ddp", 1.0, "all-reduce the gradients"),
+    ("fsdp_full-shard", 3.0, "all-gather forward + all-gather backward + reduce-scatter the gradients"),
+    ("fsdp_shard-grad-op", 2.0, "all-gather forward + reduce-scatter the gradients"),
+    ("fsdp_no-shard", 1.0, "all-reduce the gradients"),
+    ("accelerate_fsdp", 3.0, "full-shard (config/default_FSDP.yml): 2 all-gathers + reduce-scatter"),
+    ("deepspeed_zero0", 1.0, "all-reduce the gradients"),
+    ("deepspeed_zero1", 2.0, "reduce(-scatter) the gradients + all-gather the updated weights"),
+    ("deepspeed_zero2", 2.0, "reduce(-scatter) the gradients + all-gather the updated weights"),
+    ("deepspeed_zero3", 3.0, "all-gather forward + all-gather backward + reduce-scatter the gradients"),
+    ("accelerate_deepspeed_zero1", 2.0, "as deepspeed_zero1"),
+    ("accelerate_deepspeed_zero2", 2.0, "as deepspeed_zero2"),
+    ("accelerate_deepspeed_zero3", 3.0, "as deepspeed_zero3"),
+]
+
+
+def expected_factor(strategy: str) -> float | None:
+    """S per step / parameter bytes for a row's strategy (None: not modelled, e.g. hybrid sharding)."""
+    for prefix, factor, _ in EXPECTED:
+        if strategy == prefix or strategy.startswith(prefix + "_"):
+            return factor
+    return None
+
+
+def comm_element_bytes(precision: str) -> int:
+    """Bytes of a communicated element: pure fp16/bf16 runs send half-precision weights and gradients;
+    fp32 and autocast (amp_*) runs keep fp32 parameters and gradients."""
+    return 2 if precision in ("fp16", "bf16") else 4
+
+
+def expected_bytes(strategy: str, precision: str, params: int) -> float | None:
+    factor = expected_factor(strategy)
+    return None if factor is None else factor * params * comm_element_bytes(precision)

@@ -1,0 +1,170 @@
+"""Communication recording (common/measure/comm.py) and world-size scaling (benchmark.py --world-sizes).
+
+On CPU, 2 gloo ranks, resnet18 with the 10-class head, fp32: every strategy's measured bytes per
+step against the volume its algorithm must send (README "Communication")."""
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from helpers import ROOT, TINY, check_ok, clean_env, free_port, rows, run, tiny_args
+
+from common.config import TrainConfig
+from common.measure.comm import CommRecorder, analyze, expected_bytes
+from common.train import TrainHooks, build_instruments
+
+RESNET18_PARAMS = 11_181_642  # torchvision resnet18 with a 10-class fc
+FAST = {"loader_probe_batches": 0, "epoch_checkpoints": False}  # nothing these tests read
+
+
+class Event(SimpleNamespace):
+    """Stand-in for torch's _KinetoEvent (the accessors analyze() reads)."""
+
+    def name(self): return self.n  # noqa: E704
+    def shapes(self): return self.s  # noqa: E704
+    def dtypes(self): return self.d  # noqa: E704
+    def start_ns(self): return self.t  # noqa: E704
+    def duration_ns(self): return self.dur  # noqa: E704
+    def start_thread_id(self): return self.th  # noqa: E704
+    def device_type(self):  # noqa: E301
+        import torch
+        return torch.autograd.DeviceType.CPU
+
+
+def ev(n, t, dur, th=1, s=(), d=()):
+    return Event(n=n, t=t, dur=dur, th=th, s=list(s), d=list(d))
+
+
+def test_analyze_counts_backend_events_once():
+    """The dispatcher op wrapping a collective is not counted again; an all-gather counts its output;
+    overlap is the comm time during which a training-thread op ran."""
+    events = [
+        ev("c10d::allreduce_", 0, 10, s=[[]], d=["TensorList"]),
+        ev("gloo:all_reduce", 0, 1000, th=7, s=[[1000]], d=["float"]),  # 4000 bytes
+        ev("c10d::_allgather_base_", 2000, 10, s=[[200], [100]], d=["float", "float"]),
+        ev("gloo:all_gather", 2000, 1000, th=8, s=[[100]], d=["c10::BFloat16"]),  # 100 x 2 B x 2 ranks
+        ev("aten::mm", 500, 1000),  # overlaps the all-reduce by 500 ns
+        ev("aten::add_", 2000, 1000, th=7),  # on a gloo worker: not compute
+        ev("nccl:coalesced", 5000, 10),
+    ]
+    got = analyze(events, n=2, steps=2)
+    assert got["comm_bytes_per_step"] == (4000 + 400) / 2 and got["comm_calls_per_step"] == 1.0
+    assert got["comm_ms_per_step"] == 2000 / 1e6 / 2
+    assert got["busbw_gbps"] == pytest.approx((4000 * 1.0 + 400 * 0.5) / 2000)
+    assert got["comm_overlap_pct"] == 25.0
+
+
+def test_recording_follows_comm_steps(monkeypatch):
+    """--comm-steps 0 turns it off; the default records in a world of more than one process."""
+    import torch
+
+    import common.train as train
+
+    hooks = TrainHooks(backward=lambda loss: None, step=lambda: None, device=torch.device("cpu"))
+    monkeypatch.setattr(train, "world_size", lambda: 2)
+    assert any(isinstance(i, CommRecorder) for i in build_instruments(TrainConfig(), None, hooks))
+    assert not any(isinstance(i, CommRecorder) for i in build_instruments(TrainConfig(comm_steps=0), None, hooks))
+    monkeypatch.setattr(train, "world_size", lambda: 1)
+    assert not any(isinstance(i, CommRecorder) for i in build_instruments(TrainConfig(), None, hooks))
+
+
+def test_profiled_steps_are_left_out_of_throughput():
+    import torch
+
+    from common.measure import Instrument
+    from common.train import TimedWindow
+
+    class Profiled(Instrument):
+        def untimed(self):
+            return 2, 1.0
+
+    window = TimedWindow(0, torch.device("cpu"), [Profiled()], time_s=3.0, steps=5)
+    assert window.timed() == (3, 2.0)
+    window = TimedWindow(0, torch.device("cpu"), [Profiled()], time_s=1.0, steps=2)
+    assert window.timed() == (2, 1.0)  # nothing else was timed: the profiled steps stay
+
+
+def test_expected_volumes():
+    b = 4 * RESNET18_PARAMS
+    assert expected_bytes("ddp", "fp32", RESNET18_PARAMS) == b
+    assert expected_bytes("ddp", "amp_bf16", RESNET18_PARAMS) == b  # fp32 gradients under autocast
+    assert expected_bytes("ddp_zero", "fp32", RESNET18_PARAMS) == 2 * b
+    assert expected_bytes("fsdp_full-shard_offload", "fp32", RESNET18_PARAMS) == 3 * b
+    assert expected_bytes("deepspeed_zero2", "bf16", RESNET18_PARAMS) == b  # 2x of half-size elements
+    assert expected_bytes("fsdp_hybrid", "fp32", RESNET18_PARAMS) is None
+
+
+def _measured(tmp_path, script, launcher, **over):
+    proc = run(script, tiny_args(tmp_path, **{**FAST, **over}), nproc=2, launcher=launcher, timeout=600)
+    check_ok(proc)
+    (r,) = rows(tmp_path / "summary.csv")
+    assert r["comm_calls_per_step"] and float(r["comm_ms_per_step"]) > 0 and float(r["busbw_gbps"]) > 0
+    return r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,launcher,factor", [
+    ("pytorch_FSDP.py", "torchrun", 3.0),  # all-gather x2 + reduce-scatter
+    ("pytorch_DDP_ZeRO.py", "torchrun", 2.0),  # all-reduce + broadcast of the shards
+    ("pytorch_DeepSpeed.py", "deepspeed", 2.0),  # ZeRO-2: reduce the gradients + all-gather the weights
+])
+def test_sharded_strategies_send_their_expected_volume(tmp_path, script, launcher, factor):
+    r = _measured(tmp_path, script, launcher)
+    assert expected_bytes(r["strategy"], r["precision"], RESNET18_PARAMS) == factor * 4 * RESNET18_PARAMS
+    assert float(r["comm_bytes_per_step"]) == pytest.approx(factor * 4 * RESNET18_PARAMS, rel=0.10), r["strategy"]
+
+
+def test_world_size_runs_names_batches_and_cap(capsys):
+    from common.bench.matrix import world_size_runs
+    from common.config import UsageError
+
+    runs = [{"name": "p/pytorch_DDP", "script": "pytorch_DDP.py", "args": {"batch_size": 32, "train_samples": 64},
+             "nproc": 2}, {"name": "p/pytorch_SingleGPU", "script": "pytorch_SingleGPU.py", "args": {}, "nproc": 1}]
+    strong = world_size_runs(runs, "1,2,4", "strong", gpus=0)
+    assert [(r["name"], r["nproc"], r["args"].get("batch_size")) for r in strong] == [
+        ("p/pytorch_DDP@w1", 1, 32), ("p/pytorch_DDP@w2", 2, 32), ("p/pytorch_SingleGPU", 1, None)]
+    assert "4 left out" in capsys.readouterr().out
+    weak = world_size_runs(runs, "2,4", "weak", gpus=4)
+    assert [(r["name"], r["args"]["batch_size"], r["args"]["train_samples"], r["args"]["scaling"])
+            for r in weak[:2]] == [("p/pytorch_DDP@w2-weak", 64, 128, "weak"),
+                                   ("p/pytorch_DDP@w4-weak", 128, 256, "weak")]
+    for bad in ("two", "0,2", "8"):
+        with pytest.raises(UsageError):
+            world_size_runs(runs, bad, "strong", gpus=4)
+
+
+@pytest.mark.slow
+def test_world_sizes_rows_ddp_volume_and_efficiency(tmp_path):
+    """--world-sizes 1,2: a row per world size for the distributed run (named apart, so neither is
+    skipped as done), DDP's all-reduce is 4 bytes x parameters, and the report shows the efficiency."""
+    matrix = tmp_path / "m.yaml"
+    args = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in {**TINY, **FAST}.items()
+                     if k != "device")
+    matrix.write_text(f"presets:\n  t:\n    timeout_s: 300\n    args: {{{args}}}\n    scripts: all\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "benchmark.py", "--preset", "t", "--matrix", str(matrix), "--only",
+                           "pytorch_DDP.py", "--world-sizes", "1,2,4", "--results", str(tmp_path / "summary.csv"),
+                           "--report", str(tmp_path / "REPORT.md"), "--log-dir", str(tmp_path / "logs")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "4 left out" in proc.stdout
+    got = {r["world_size"]: r for r in rows(tmp_path / "summary.csv")}
+    assert sorted(got) == ["1", "2"] and all(r["status"] == "ok" and r["scaling"] == "strong" for r in got.values())
+    assert {r["run_name"] for r in got.values()} == {"t/pytorch_DDP@w1", "t/pytorch_DDP@w2"}
+    assert got["1"]["comm_bytes_per_step"] == ""  # one process sends nothing
+    assert float(got["2"]["comm_bytes_per_step"]) == pytest.approx(4 * RESNET18_PARAMS, rel=0.02)
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "## Scaling" in report and "efficiency %" in report and "| ddp | fp32 | 2 |" in report
+    assert "measured/expected" in report
+    assert any(c.startswith("scaling_") for c in os.listdir(tmp_path / "charts"))
+
+
+@pytest.mark.slow
+def test_collectives_benchmark_runs():
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
+                           "--master_port", str(free_port()), "benchmarks/collectives.py", "--device", "cpu",
+                           "--min-bytes", "64K", "--max-bytes", "64K", "--iters", "1", "--warmup", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [ln.split()[0] for ln in proc.stdout.splitlines()[2:]] == ["all_reduce", "all_gather", "reduce_scatter"]
