@@ -229,6 +229,10 @@ def done_rows(results: str, run: dict, device: str) -> list[dict]:
 
 
 def run_matrix(opts) -> int:
+    if getattr(opts, "launcher", "local") == "slurm":
+        from .slurm import run_slurm
+
+        return run_slurm(opts)
     gpus, device = hardware()
     only = [s.strip() for s in opts.only.split(",")] if opts.only else None
     runs = getattr(opts, "runs", None) or load_matrix(opts.matrix, opts.preset, only, gpus)
