@@ -38,8 +38,9 @@ def benchmark(c: Cluster, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_ddp_through_the_torchrun_template_on_two_nodes(cluster, tmp_path):
     log = tmp_path / "job.log"
-    proc = subprocess.run(["sbatch", "--wait", "--nodes=2", f"--output={log}", "slurm/torchrun.sbatch", "pytorch_DDP.py",
-                           *tiny_args(tmp_path)], cwd=ROOT, env={**slurm_env(cluster), "RDZV_PORT": str(free_port())},
+    proc = subprocess.run(["sbatch", "--wait", "--nodes=2", f"--output={log}", "slurm/torchrun.sbatch",
+                           "pytorch_DDP.py", *tiny_args(tmp_path)], cwd=ROOT,
+                          env={**slurm_env(cluster), "RDZV_PORT": str(free_port())},
                           capture_output=True, text=True, timeout=300)
     text = log.read_text() if log.exists() else ""
     assert proc.returncode == 0, (proc.stderr, text[-4000:])

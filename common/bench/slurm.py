@@ -66,7 +66,8 @@ def sbatch_text(run: dict, opts, results: str, log_dir: str) -> str:
         + [f"#SBATCH {shlex.quote(a)}" for a in sbatch]
         + ["set -euo pipefail", f"cd {shlex.quote(PROJECT_ROOT)}",
            f"export PYTHON={shlex.quote(sys.executable)} PATH={shlex.quote(os.path.dirname(sys.executable))}:$PATH",
-           f"export GPUS_PER_NODE={per_node} RDZV_PORT={free_port()}", launch, ""])
+           f"export GPUS_PER_NODE={per_node} RDZV_PORT={free_port()}",
+           f"export SAVE_DIR={shlex.quote(os.path.join(os.path.dirname(log_dir), 'checkpoints'))}", launch, ""])
 
 
 def submit(path: str) -> tuple[str, int, str]:
