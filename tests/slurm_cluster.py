@@ -13,7 +13,7 @@ import socket
 import subprocess
 import time
 
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "squeue", "scancel")
 
 
 class ClusterError(RuntimeError):
@@ -115,7 +115,13 @@ PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
         raise ClusterError(f"nodes not idle after {timeout:.0f}s: {out.strip()!r}; logs in {self.root}/log")
 
     def stop(self) -> None:
-        """SIGTERM each daemon by its pid, then SIGKILL whichever is still there after 10 s."""
+        """Cancels the jobs still there (their slurmstepd processes would outlive slurmd), then
+        SIGTERMs each daemon by its pid and SIGKILLs whichever is still there after 10 s."""
+        if os.path.exists(os.path.join(self.root, "slurmctld.pid")):
+            try:
+                self._cancel_jobs()
+            except subprocess.SubprocessError:  # slurmctld not answering: stop the daemons all the same
+                pass
         pids = []
         for path in reversed(self.pidfiles):
             try:
@@ -134,6 +140,17 @@ PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
                 time.sleep(0.1)
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+    def _cancel_jobs(self, timeout: float = 30) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            jobs = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True,
+                                  timeout=30).stdout.split()
+            if not jobs:
+                return
+            subprocess.run(["scancel", *jobs], env=self.env, capture_output=True, timeout=30)
+            time.sleep(1)
 
 
 def _alive(pid: int) -> bool:
