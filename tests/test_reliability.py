@@ -115,6 +115,9 @@ if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT"
         if epoch == 1:
             os.kill(os.getpid(), signal.SIGKILL)
     checkpoint.Checkpointer.save = save_then_die
+elif os.environ.get("RANK") == "1":  # the restarted rank 1 joins late: rank 0 must wait for its new address
+    import time
+    time.sleep(3)
 sys.argv[0] = os.path.join({root!r}, "pytorch_DDP.py")
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -67,14 +67,15 @@ def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
 def test_a_failing_job_becomes_a_failed_row(cluster, tmp_path):
     matrix = tmp_path / "m.yaml"
     matrix.write_text("presets:\n  broken:\n    timeout_s: 120\n"
-                      "    runs: [{name: crash, script: pytorch_DDP.py, args: {model: no_such_model, device: cpu}}]\n")
+                      "    runs: [{name: crash, script: pytorch_DDP.py,\n"
+                      "            args: {model: no_such_model, dataset: synthetic, device: cpu}}]\n")
     results = tmp_path / "summary.csv"
     proc = benchmark(cluster, "--preset", "broken", "--matrix", str(matrix), "--launcher", "slurm", "--nodes", "2",
                      "--results", str(results))
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = rows(results)
     assert row["status"] == "failed" and row["run_name"] == "broken/crash" and row["world_size"] == "2", row
-    assert "no_such_model" in row["error"], row
+    assert row["error"].startswith("pytorch_DDP.py: error: ") and "no_such_model" in row["error"], row
 
 
 def test_dry_run_writes_job_files_that_bash_accepts(tmp_path):

@@ -87,6 +87,13 @@ def job_status(code: int, state: str) -> str:
     return EXIT_STATUS.get(code, "failed")
 
 
+def job_error(lines: list[str]) -> str:
+    """The script's own one-line verdict ("pytorch_DDP.py: error: ..."), else the last error line
+    that is not Slurm's own aftermath (srun's "task 0: Terminated" names no cause)."""
+    own = [ln.strip() for ln in lines if re.match(r"^\S+\.py: ", ln)]
+    return own[-1][:300] if own else last_error_line([ln for ln in lines if not ln.startswith(("srun:", "slurmstepd"))])
+
+
 def job_log(log_dir: str, run: dict, job: str) -> list[str]:
     try:
         with open(os.path.join(log_dir, f"{job_file_name(run)}-{job}.log"), errors="replace") as fh:
@@ -139,7 +146,7 @@ def run_slurm(opts) -> int:
         status = job_status(code, state)
         print(f"    -> job {job} {state}: {status} in {time.time() - start:.0f}s", flush=True)
         if len([r for r in read_rows(opts.results) if r["run_name"] == run["name"]]) == len(ran):
-            error = last_error_line(job_log(log_dir, run, job)) or f"job {job} ended {state}"
+            error = job_error(job_log(log_dir, run, job)) or f"job {job} ended {state}"
             record_missing(run, status if status != "ok" else "failed", error, opts.results, opts.gpus_per_node)
         failures += status != "ok"
     print(f"job files in {os.path.relpath(job_dir)}" if opts.dry_run else f"{len(runs)} jobs done, {failures} not ok")
