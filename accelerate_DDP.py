@@ -24,6 +24,7 @@ from common import (
     build_scheduler,
     configure_backends,
     fit,
+    init_distributed,
     launch,
     pick_device,
     save_final,
@@ -33,6 +34,7 @@ from common.accel import AccelerateStep, accelerate_precision, check_world, make
 
 
 def main(cfg):
+    init_distributed(cfg)  # the group first, with its per-attempt store (restarts); accelerate joins it
     accelerator = Accelerator(cpu=pick_device(cfg).type == "cpu", mixed_precision=accelerate_precision(cfg))
     rank, world_size = check_world(accelerator)
     if world_size > 1 and accelerator.distributed_type not in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):

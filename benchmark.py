@@ -91,7 +91,17 @@ def _advise_args(p):
 def _run_args(p):
     add_matrix_args(p)
     add_output_args(p)
-    p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    p.add_argument("--dry-run", action="store_true", help="print the commands only (slurm: write the job files only)")
+    p.add_argument("--launcher", choices=("local", "slurm"), default="local",
+                   help="local: one process group per run on this machine; slurm: one sbatch job per run")
+    slurm = p.add_argument_group("--launcher slurm")
+    slurm.add_argument("--nodes", type=int, default=1, help="nodes per distributed run")
+    slurm.add_argument("--gpus-per-node", type=int, default=0, help="GPUs (processes) per node; 0: one CPU process")
+    slurm.add_argument("--partition", default="", help="sbatch --partition")
+    slurm.add_argument("--account", default="", help="sbatch --account")
+    slurm.add_argument("--time", default="", help="sbatch --time (HH:MM:SS); default the preset's timeout_s")
+    slurm.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                       help="any other sbatch option, e.g. --sbatch-arg=--qos=high (repeatable)")
     p.add_argument("--repeats", type=int, default=1,
                    help="launch every run N times as fresh processes, round by round across the runs; "
                         "the report gives medians, spread and confidence intervals")

@@ -88,9 +88,26 @@ def init_distributed(cfg: TrainConfig, standalone_group: bool = False) -> DistIn
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, rank=rank, world_size=world_size, store=attempt_store(rank, world_size),
                                 device_id=device if device.type == "cuda" else None)
     return DistInfo(rank, local_rank(), world_size, device)
+
+
+def attempt_store(rank: int, world_size: int):
+    """The env:// store, under a prefix per torchrun attempt; None outside torchrun.
+
+    torchrun's workers all connect to one TCPStore that outlives its restarts: the agent's own
+    (torch/distributed/rendezvous.py, _create_c10d_store: "We create a new TCPStore for every retry
+    so no need to add prefix for each attempt"; static_tcp_rendezvous.py keeps self._store across
+    next_rendezvous calls). Every attempt writes the same keys (default_pg/0/rank_<r>: each rank's
+    gloo listening address), so a restarted rank can read its peer's address from the killed
+    attempt before the peer overwrites it, and gloo's connectFullMesh dials a dead port:
+    "Connection refused" on both ranks (pytorch/pytorch#167288). A prefix per attempt gives each
+    attempt keys of its own."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=dist.default_pg_timeout))
+    return dist.PrefixStore(f"attempt{restarts()}", store)
 
 
 def require_single_process(script: str) -> None:

@@ -1,11 +1,14 @@
 """Failure paths of every run: a row with the right status, or one line and nothing written."""
+import os
+import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import check_ok, one_line_error, rows, run, tiny_args
+from helpers import BIN, ROOT, check_ok, clean_env, one_line_error, rows, run, tiny_args
 
 from common import runner
+from common.distributed import free_port
 from common.results import COLUMNS
 
 
@@ -98,3 +101,45 @@ def test_cifar_missing_offline_through_the_script(tmp_path):
     line = one_line_error(proc)
     assert "cifar-10-batches-py" in line and "--dataset synthetic" in line
     assert rows(tmp_path / "summary.csv") == []
+
+
+KILL_AFTER_EPOCH_1 = """
+import os, runpy, signal, sys
+sys.path.insert(0, {root!r})
+from common import checkpoint
+if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    save = checkpoint.Checkpointer.save
+
+    def save_then_die(self, epoch, meta):  # a worker lost right after the epoch-1 checkpoint
+        save(self, epoch, meta)
+        if epoch == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    checkpoint.Checkpointer.save = save_then_die
+elif os.environ.get("RANK") == "1":  # the restarted rank 1 joins late: rank 0 must wait for its new address
+    import time
+    time.sleep(3)
+sys.argv[0] = os.path.join({root!r}, "pytorch_DDP.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_result(tmp_path):
+    """torchrun --max-restarts 1 restarts the group after a SIGKILLed rank: the new group must form
+    (it used to dial the dead attempt's gloo addresses), resume from the epoch-1 checkpoint, and
+    end with one row equal to an uninterrupted run's."""
+    wrapper = tmp_path / "kill_rank1.py"
+    wrapper.write_text(KILL_AFTER_EPOCH_1.format(root=ROOT))
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    proc = subprocess.run([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--max-restarts", "1",
+                           "--master_port", str(free_port()), str(wrapper),
+                           *tiny_args(killed, epochs=3, resume="auto")],
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    check_ok(proc)
+    assert "resumed after epoch 1" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    check_ok(run("pytorch_DDP.py", tiny_args(whole, epochs=3), nproc=2, launcher="torchrun"))
+    (row,) = rows(killed / "summary.csv")
+    (ref,) = rows(whole / "summary.csv")
+    assert row["status"] == "ok" and row["resumed"] == "True" and row["restarts"] == "1", row
+    for key in ("train_loss", "train_accuracy", "test_accuracy", "test_samples", "steps"):
+        assert row[key] == ref[key], (key, row[key], ref[key])

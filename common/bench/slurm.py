@@ -1,0 +1,153 @@
+"""benchmark.py --launcher slurm: every run of a preset becomes one Slurm job.
+
+The job file (results/slurm/<run>.sbatch) holds the #SBATCH lines of this run and calls the
+template its launcher needs (slurm/torchrun.sbatch or slurm/accelerate.sbatch), so what the matrix
+submits is what a user submits by hand. The job's rank 0 appends the row to the shared CSV under
+its file lock, as on one machine; a job that ends without a row (killed, timed out, never started)
+gets one here, from record_missing.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+from ..config import PROJECT_ROOT, UsageError, to_flags
+from ..distributed import free_port
+from ..registry import BY_FILE
+from ..results import check_results_path, read_rows
+from .matrix import EXIT_STATUS, last_error_line, load_matrix, record_missing
+
+TIME = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
+# Slurm job states (squeue/scontrol JobState) a run can end in, as the row's status
+STATE_STATUS = {"COMPLETED": "ok", "TIMEOUT": "timeout", "OUT_OF_MEMORY": "oom", "DEADLINE": "timeout"}
+
+
+def hms(seconds: int) -> str:
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def job_file_name(run: dict) -> str:
+    return run["name"].replace("/", "__")
+
+
+def layout(run: dict, nodes: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, processes per node): one process per GPU (one on a CPU node) for the distributed
+    scripts, one process on one node for the rest."""
+    if not BY_FILE[run["script"]].distributed:
+        return 1, 1
+    return nodes, max(gpus_per_node, 1)
+
+
+def sbatch_text(run: dict, opts, results: str, log_dir: str) -> str:
+    s = BY_FILE[run["script"]]
+    nodes, per_node = layout(run, opts.nodes, opts.gpus_per_node)
+    values = {k: v.format(world=nodes * per_node) if isinstance(v, str) else v for k, v in run["args"].items()}
+    args = shlex.join(to_flags({**values, "results": results, "run_name": run["name"]}))
+    name = job_file_name(run)
+    sbatch = [f"--job-name={name}", f"--nodes={nodes}", "--ntasks-per-node=1",
+              f"--output={os.path.join(log_dir, name)}-%j.log", f"--time={opts.time or hms(run['timeout_s'])}"]
+    sbatch += [f"--gpus-per-node={opts.gpus_per_node}"] if opts.gpus_per_node else []
+    sbatch += [f"--partition={opts.partition}"] if opts.partition else []
+    sbatch += [f"--account={opts.account}"] if opts.account else []
+    sbatch += list(opts.sbatch_arg or [])
+    if not s.distributed:
+        launch = f"srun \"$PYTHON\" {s.file} {args}"
+    elif s.launcher == "accelerate" and opts.gpus_per_node:
+        launch = f"bash slurm/accelerate.sbatch {s.accelerate_config} {s.file} {args}"
+    else:  # torchrun, also for DeepSpeed (it reads torchrun's environment) and accelerate on CPU nodes
+        launch = f"bash slurm/torchrun.sbatch {s.file} {args}"
+    return "\n".join(
+        ["#!/bin/bash", f"# {run['name']}: written by benchmark.py --launcher slurm; submit with sbatch"]
+        + [f"#SBATCH {shlex.quote(a)}" for a in sbatch]
+        + ["set -euo pipefail", f"cd {shlex.quote(PROJECT_ROOT)}",
+           f"export PYTHON={shlex.quote(sys.executable)} PATH={shlex.quote(os.path.dirname(sys.executable))}:$PATH",
+           f"export GPUS_PER_NODE={per_node} RDZV_PORT={free_port()}",
+           f"export SAVE_DIR={shlex.quote(os.path.join(os.path.dirname(log_dir), 'checkpoints'))}", launch, ""])
+
+
+def submit(path: str) -> tuple[str, int, str]:
+    """sbatch --wait: (job id, exit code of sbatch, the job's final state)."""
+    proc = subprocess.run(["sbatch", "--wait", "--parsable", path], capture_output=True, text=True)
+    job = proc.stdout.strip().split(";")[0]
+    if not job:
+        raise UsageError(f"sbatch {path} failed: {(proc.stderr or proc.stdout).strip()[:300]}")
+    show = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    state = re.search(r"JobState=(\S+)", show)
+    return job, proc.returncode, state.group(1) if state else "UNKNOWN"
+
+
+def job_status(code: int, state: str) -> str:
+    if state in STATE_STATUS:
+        return STATE_STATUS[state]
+    return EXIT_STATUS.get(code, "failed")
+
+
+def job_error(lines: list[str]) -> str:
+    """The script's own one-line verdict ("pytorch_DDP.py: error: ..."), else the last error line
+    that is not Slurm's own aftermath (srun's "task 0: Terminated" names no cause)."""
+    own = [ln.strip() for ln in lines if re.match(r"^\S+\.py: ", ln)]
+    return own[-1][:300] if own else last_error_line([ln for ln in lines if not ln.startswith(("srun:", "slurmstepd"))])
+
+
+def job_log(log_dir: str, run: dict, job: str) -> list[str]:
+    try:
+        with open(os.path.join(log_dir, f"{job_file_name(run)}-{job}.log"), errors="replace") as fh:
+            return fh.readlines()[-200:]
+    except OSError:
+        return []
+
+
+def check_opts(opts) -> None:
+    if opts.nodes < 1 or opts.gpus_per_node < 0:
+        raise UsageError(f"--nodes {opts.nodes} --gpus-per-node {opts.gpus_per_node}: need nodes >= 1, GPUs >= 0")
+    if opts.time and not TIME.match(opts.time):
+        raise UsageError(f"--time {opts.time}: expected HH:MM:SS (or D-HH:MM:SS, or minutes)")
+    if not opts.dry_run and not shutil.which("sbatch"):
+        raise UsageError("--launcher slurm: sbatch is not on PATH (run this on a Slurm login node, or use --dry-run)")
+
+
+def run_slurm(opts) -> int:
+    check_opts(opts)
+    only = [s.strip() for s in opts.only.split(",")] if opts.only else None
+    runs = load_matrix(opts.matrix, opts.preset, only, opts.gpus_per_node)
+    check_results_path(opts.results)
+    job_dir = os.path.join(os.path.dirname(opts.results), "slurm")  # results/slurm beside results/summary.csv
+    log_dir = os.path.join(job_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    print(f"preset {opts.preset}: {len(runs)} Slurm jobs of up to {opts.nodes} nodes x "
+          f"{max(opts.gpus_per_node, 1)} {'GPUs' if opts.gpus_per_node else 'CPU processes'}")
+    failures = 0
+    for i, run in enumerate(runs, 1):
+        ran = [r for r in read_rows(opts.results) if r["run_name"] == run["name"]]
+        if not opts.force and not opts.dry_run and any(r["status"] in ("ok", "skipped") for r in ran):
+            print(f"[{i}/{len(runs)}] {run['name']}: already in {opts.results}, skipped (--force to rerun)")
+            continue
+        nodes, per_node = layout(run, opts.nodes, opts.gpus_per_node)
+        run = {**run, "nproc": nodes * per_node}  # the world record_missing writes
+        if run["gpu_only"] and not opts.gpus_per_node:
+            print(f"[{i}/{len(runs)}] {run['name']}: needs GPUs (--gpus-per-node), recorded as skipped")
+            if not opts.dry_run:
+                record_missing(run, "skipped", "needs CUDA devices (see README)", opts.results, 0)
+            continue
+        path = os.path.join(job_dir, job_file_name(run) + ".sbatch")
+        with open(path, "w") as fh:
+            fh.write(sbatch_text(run, opts, opts.results, log_dir))
+        if opts.dry_run:
+            print(f"[{i}/{len(runs)}] {run['name']}: {os.path.relpath(path)}")
+            continue
+        start = time.time()
+        print(f"[{i}/{len(runs)}] {run['name']}: sbatch --wait {os.path.relpath(path)}", flush=True)
+        job, code, state = submit(path)
+        status = job_status(code, state)
+        print(f"    -> job {job} {state}: {status} in {time.time() - start:.0f}s", flush=True)
+        if len([r for r in read_rows(opts.results) if r["run_name"] == run["name"]]) == len(ran):
+            error = job_error(job_log(log_dir, run, job)) or f"job {job} ended {state}"
+            record_missing(run, status if status != "ok" else "failed", error, opts.results, opts.gpus_per_node)
+        failures += status != "ok"
+    print(f"job files in {os.path.relpath(job_dir)}" if opts.dry_run else f"{len(runs)} jobs done, {failures} not ok")
+    return failures

@@ -1,0 +1,96 @@
+"""Slurm, for real: a two-node cluster on this host (tests/slurm_cluster.py), the sbatch templates
+and benchmark.py --launcher slurm. In CI (CI=true) a cluster that cannot start is a failure."""
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, clean_env, rows, tiny_args
+from slurm_cluster import Cluster, ClusterError, missing_tools
+
+from common.distributed import free_port
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if missing_tools() and os.environ.get("CI") != "true":
+        pytest.skip(f"Slurm not installed ({', '.join(missing_tools())}); .ci/run installs it")
+    c = Cluster(str(tmp_path_factory.mktemp("slurm")))
+    try:
+        c.start()
+    except (ClusterError, OSError, subprocess.SubprocessError) as exc:
+        c.stop()
+        pytest.fail(f"cannot start the test Slurm cluster: {exc}")
+    yield c
+    c.stop()
+
+
+def slurm_env(c: Cluster) -> dict:
+    return clean_env({"SLURM_CONF": c.conf, "PYTHON": sys.executable,
+                      "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
+
+
+def benchmark(c: Cluster, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "benchmark.py", *args], cwd=ROOT, env=slurm_env(c), capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_ddp_through_the_torchrun_template_on_two_nodes(cluster, tmp_path):
+    log = tmp_path / "job.log"
+    proc = subprocess.run(["sbatch", "--wait", "--nodes=2", f"--output={log}", "slurm/torchrun.sbatch",
+                           "pytorch_DDP.py", *tiny_args(tmp_path)], cwd=ROOT,
+                          env={**slurm_env(cluster), "RDZV_PORT": str(free_port())},
+                          capture_output=True, text=True, timeout=300)
+    text = log.read_text() if log.exists() else ""
+    assert proc.returncode == 0, (proc.stderr, text[-4000:])
+    assert "2 nodes x 1 processes" in text
+    (row,) = rows(tmp_path / "summary.csv")
+    print(row)
+    assert row["status"] == "ok" and row["world_size"] == "2" and row["restarts"] == "0", row
+    assert int(row["test_samples"]) == 37  # an odd count over 2 ranks: every sample once, none dropped or doubled
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
+    results = tmp_path / "summary.csv"
+    proc = benchmark(cluster, "--preset", "smoke", "--only", "pytorch_DDP.py,pytorch_DeepSpeed.py", "--launcher",
+                     "slurm", "--nodes", "2", "--results", str(results))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = {r["script"]: r for r in rows(results)}
+    assert sorted(got) == ["pytorch_DDP.py", "pytorch_DeepSpeed.py"], rows(results)
+    assert all(r["status"] == "ok" and r["world_size"] == "2" for r in got.values()), got
+    assert (tmp_path / "slurm" / "smoke__pytorch_DDP.sbatch").exists()
+
+
+@pytest.mark.slow
+def test_a_failing_job_becomes_a_failed_row(cluster, tmp_path):
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text("presets:\n  broken:\n    timeout_s: 120\n"
+                      "    runs: [{name: crash, script: pytorch_DDP.py,\n"
+                      "            args: {model: no_such_model, dataset: synthetic, device: cpu}}]\n")
+    results = tmp_path / "summary.csv"
+    proc = benchmark(cluster, "--preset", "broken", "--matrix", str(matrix), "--launcher", "slurm", "--nodes", "2",
+                     "--results", str(results))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = rows(results)
+    assert row["status"] == "failed" and row["run_name"] == "broken/crash" and row["world_size"] == "2", row
+    assert row["error"].startswith("pytorch_DDP.py: error: ") and "no_such_model" in row["error"], row
+
+
+def test_dry_run_writes_job_files_that_bash_accepts(tmp_path):
+    results = tmp_path / "summary.csv"
+    proc = subprocess.run([sys.executable, "benchmark.py", "--preset", "smoke", "--launcher", "slurm", "--nodes", "2",
+                           "--gpus-per-node", "4", "--partition", "gpu", "--sbatch-arg=--qos=high", "--dry-run",
+                           "--results", str(results)], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    files = sorted((tmp_path / "slurm").glob("*.sbatch"))
+    assert len(files) == 11 and not results.exists()
+    for f in files + [os.path.join(ROOT, "slurm", n) for n in ("torchrun.sbatch", "accelerate.sbatch")]:
+        check = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
+        assert check.returncode == 0, (f, check.stderr)
+    ddp = (tmp_path / "slurm" / "smoke__pytorch_DDP.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in ddp and "#SBATCH --gpus-per-node=4" in ddp and "#SBATCH --qos=high" in ddp
+    assert "slurm/accelerate.sbatch config/default_DDP.yml accelerate_DDP.py" in \
+        (tmp_path / "slurm" / "smoke__accelerate_DDP.sbatch").read_text()
