@@ -6,8 +6,9 @@ so paused epoch-end work (checkpoint saves, evaluation) and the warm-up steps ar
 On GPU each step end is a CUDA event recorded on the run device's current stream: no host sync in
 the loop; the events are read when the window pauses or stops, where the device is already
 synchronized. On CPU, where work is synchronous, it is the wall clock. Across ranks each
-percentile is the max over ranks: the slowest rank sets the pace of a synchronous step. The first `skip` steps (the profiled communication steps of common/measure/comm.py,
-slowed by the profiler) are left out, unless that leaves none.
+percentile is the max over ranks: the slowest rank sets the pace of a synchronous step.
+The first `skip` steps (the profiled communication steps of common/measure/comm.py, slowed by the
+profiler) are left out, unless that leaves none.
 """
 from __future__ import annotations
 
