@@ -159,6 +159,17 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return tensor
 
 
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's picklable `obj`, in rank order. On nccl the pickled bytes travel as a tensor on
+    torch.cuda.current_device() (distributed_c10d.py all_gather_object: `current_device =
+    _get_object_coll_device(group)`), so the caller must have set its device, as the runner does."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, obj, group=group)
+    return parts
+
+
 def reduce_tensor(values, device: torch.device, op: str = "sum") -> tuple[torch.Tensor, torch.Tensor]:
     """(reduced values, ranks that measured each) as float64 tensors on `device`. NaN means "not
     measured on this rank": it is left out of max, sum and mean instead of poisoning them."""

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from .config import UsageError
+from .distributed import all_gather_object
 from .models import stages
 
 STEM = ("conv1", "bn1", "relu", "maxpool")
@@ -96,13 +97,7 @@ def split(model: nn.Module, counts: list[int]) -> list[Piece]:
 def gather_state_dict(pieces: list[nn.Module], group=None) -> dict:
     """Every rank's pieces' weights, on every rank, as one CPU state_dict with torchvision keys (a
     collective over `group`; pieces of the same keys on several ranks, data-parallel copies, agree)."""
-    import torch.distributed as dist
-
     local = {}
     for piece in pieces:
         local.update({k: v.detach().cpu() for k, v in piece.state_dict().items()})
-    if not dist.is_initialized():
-        return local
-    parts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, local, group=group)
-    return {k: v for part in parts for k, v in part.items()}
+    return {k: v for part in all_gather_object(local, group) for k, v in part.items()}

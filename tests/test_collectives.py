@@ -105,7 +105,9 @@ def test_no_collective_outside_the_helpers():
             continue
         for name in files:
             path = os.path.join(folder, name)
-            if name.endswith(".py") and path != os.path.join(ROOT, "common", "distributed.py"):
+            # the helpers themselves, and the benchmark whose subject is the raw collectives
+            own = (os.path.join(ROOT, "common", "distributed.py"), os.path.join(ROOT, "benchmarks", "collectives.py"))
+            if name.endswith(".py") and path not in own:
                 with open(path) as fh:
                     offenders += [f"{path}:{i}" for i, line in enumerate(fh, 1) if pattern.search(line)]
     assert offenders == []
