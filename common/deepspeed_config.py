@@ -26,6 +26,22 @@ def _fill(ds: dict, key: str, value, path: str):
                          f"change the flags")
 
 
+def check_accelerator_supports(precision: str) -> None:
+    """DeepSpeed refuses a dtype its accelerator does not support, after building the engine and
+    with a traceback (engine.py _do_sanity_check). Its CPU accelerator supports fp16 only where
+    oneDNN has fp16 kernels (cpu_accelerator.py is_fp16_supported:
+    torch.ops.mkldnn._is_mkldnn_fp16_supported(), AVX512-FP16/AMX-FP16 CPUs), so say so first."""
+    if precision not in ("fp16", "bf16"):
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if not (acc.is_fp16_supported() if precision == "fp16" else acc.is_bf16_supported()):
+        raise UsageError(f"DeepSpeed does not support {precision} on this {acc.device_name()} device "
+                         f"(deepspeed.accelerator is_{precision}_supported() is False); use --precision "
+                         f"{'bf16' if precision == 'fp16' else 'fp16'} or fp32")
+
+
 def resolve_ds_config(cfg: TrainConfig, path: str, world_size: int, micro_batch: int,
                       offload: bool = False) -> tuple[dict, str]:
     """Returns (config dict for deepspeed.initialize, precision actually used: fp32/fp16/bf16).
@@ -66,6 +82,7 @@ def resolve_ds_config(cfg: TrainConfig, path: str, world_size: int, micro_batch:
     if enabled["fp16"] and enabled["bf16"]:
         raise UsageError(f"{path} enables both fp16 and bf16")
     precision = "fp16" if enabled["fp16"] else "bf16" if enabled["bf16"] else "fp32"
+    check_accelerator_supports(precision)
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     if zero.get("stage", 0) == 3:
         if zero.setdefault("stage3_gather_16bit_weights_on_model_save", True) is not True:

@@ -59,11 +59,24 @@ def load_bare(tmp_path, script):
     return sd
 
 
+def deepspeed_fp16_here() -> bool:
+    """DeepSpeed's CPU accelerator rule (deepspeed/accelerator/cpu_accelerator.py is_fp16_supported)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:
+        return False
+
+
 @pytest.mark.parametrize("entry, precision, extra", cases())
 def test_every_script_and_precision(tmp_path, entry, precision, extra):
     args = tiny_args(tmp_path, precision=precision, **extra)
     nproc = 2 if entry.distributed else 1
-    proc = run(entry.file, args, nproc=nproc, launcher="torchrun" if entry.distributed else "python")
+    script = entry.file
+    if entry.deepspeed_config and precision == "fp16" and not deepspeed_fp16_here():
+        # DeepSpeed refuses fp16 on this CPU (test_deepspeed_refuses_a_dtype_its_accelerator_lacks);
+        # the twin lifts the refusal so that the engine's fp16 path still runs here
+        script, args = "tests/twins/deepspeed_fp16_on_cpu.py", [entry.file] + args
+    proc = run(script, args, nproc=nproc, launcher="torchrun" if entry.distributed else "python")
     if (entry.file, precision) in REFUSED:
         assert proc.returncode != 0 and REFUSED[entry.file, precision] in proc.stderr, proc.stderr[-2000:]
         assert rows(tmp_path / "summary.csv") == []
@@ -91,6 +104,26 @@ def test_accelerate_fsdp_cpu_twin(tmp_path, precision):
     (row,) = rows(tmp_path / "summary.csv")
     check_row(row, "accelerate_FSDP.py", 2, precision)
     load_bare(tmp_path, "accelerate_FSDP.py")
+
+
+def test_deepspeed_refuses_a_dtype_its_accelerator_lacks(tmp_path, monkeypatch):
+    """One line before the engine is built, instead of DeepSpeed's traceback from _do_sanity_check."""
+    from deepspeed.accelerator import get_accelerator
+
+    from common.config import TrainConfig, UsageError
+    from common.deepspeed_config import resolve_ds_config
+
+    path = tmp_path / "z2.json"
+    path.write_text('{"zero_optimization": {"stage": 2}}')
+    resolve = lambda precision: resolve_ds_config(TrainConfig(batch_size=16, precision=precision), str(path),  # noqa: E731
+                                                  world_size=2, micro_batch=8)[1]
+    acc = get_accelerator()
+    monkeypatch.setattr(type(acc), "is_fp16_supported", lambda self: False)
+    with pytest.raises(UsageError, match="DeepSpeed does not support fp16 on this cpu device"):
+        resolve("fp16")
+    assert resolve("bf16") == "bf16"
+    monkeypatch.setattr(type(acc), "is_fp16_supported", lambda self: True)
+    assert resolve("fp16") == "fp16"
 
 
 def test_deepspeed_launcher(tmp_path):
