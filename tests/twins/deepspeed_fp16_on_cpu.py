@@ -7,7 +7,7 @@ scripts refuse fp16 elsewhere; torch's own fp16 CPU kernels still run, slowly, s
 forced the engine's fp16 path (FP16 optimizer, dynamic loss scaler, skipped steps, fp32 weights
 gathered at the end) runs on any CPU:
 
-    torchrun --nproc_per_node 2 tests/twins/deepspeed_fp16_on_cpu.py pytorch_DeepSpeed.py --device cpu --precision fp16 ...
+    torchrun --nproc_per_node 2 tests/twins/deepspeed_fp16_on_cpu.py pytorch_DeepSpeed.py --precision fp16 ...
 """
 import os
 import runpy
