@@ -159,6 +159,18 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return tensor
 
 
+def broadcast_buffers(module: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank of a data-parallel run. DDP
+    broadcasts them before every forward (broadcast_buffers=True, distributed.py
+    _sync_buffers); FSDP2 and DeepSpeed do not, so each rank keeps the statistics of its own
+    batches, and an evaluation where each rank scores its shard of the test set would score a mix
+    of models, none of them the one saved (rank 0's state_dict)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    for buf in module.buffers():
+        dist.broadcast(buf.data, src=0)
+
+
 def all_gather_object(obj, group=None) -> list:
     """Every rank's picklable `obj`, in rank order. On nccl the pickled bytes travel as a tensor on
     torch.cuda.current_device() (distributed_c10d.py all_gather_object: `current_device =

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import TrainConfig
-from .distributed import all_reduce, global_rank, reduce_metrics, synchronize, world_size
+from .distributed import all_reduce, broadcast_buffers, global_rank, reduce_metrics, synchronize, world_size
 from .measure import Instrument
 from .measure.comm import CommRecorder
 from .measure.energy import Energy
@@ -329,6 +329,8 @@ def loader_row(loader_img_s: float | None, throughput: float) -> dict:
 
 
 def run_eval(model, test_loader, hooks: TrainHooks, channels_last: bool) -> tuple[float, int]:
+    if hooks.forward_backward is None:  # data-parallel replicas (a pipeline's ranks hold different pieces)
+        broadcast_buffers(model)
     return (hooks.evaluate or evaluate)(model, test_loader, ctx=hooks.ctx, device=hooks.device,
                                         input_dtype=hooks.input_dtype, channels_last=channels_last)
 

@@ -111,3 +111,41 @@ def test_no_collective_outside_the_helpers():
                 with open(path) as fh:
                     offenders += [f"{path}:{i}" for i, line in enumerate(fh, 1) if pattern.search(line)]
     assert offenders == []
+
+
+def _eval_worker(rank, world, port, queue):
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from common.train import TrainHooks, run_eval
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+        dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
+        model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 3))
+        with torch.no_grad():  # statistics of each rank's own batches, as FSDP2 and DeepSpeed leave them
+            model[0].running_mean.fill_(float(rank + 1))
+            model[0].running_var.fill_(float(rank + 2))
+        loader = [(torch.randn(5, 4), torch.randint(0, 3, (5,)), torch.ones(5, dtype=torch.bool))]
+        acc, n = run_eval(model, loader, TrainHooks(lambda loss: None, lambda: None, torch.device("cpu")), False)
+        queue.put((rank, {"mean": model[0].running_mean.tolist(), "var": model[0].running_var.tolist(), "n": n}))
+        dist.destroy_process_group()
+    except Exception as exc:
+        queue.put((rank, {"error": repr(exc)}))
+
+
+@pytest.mark.slow
+def test_evaluation_scores_rank_zeros_statistics_on_every_rank():
+    """Each rank scores its shard of the test set: with per-rank BatchNorm statistics (FSDP2 and
+    DeepSpeed do not broadcast buffers as DDP does) the accuracy would mix models, none of them the
+    saved one (rank 0's). run_eval gives every rank rank 0's buffers first."""
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_eval_worker, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    for rank in (0, 1):
+        assert got[rank] == {"mean": [1.0] * 4, "var": [2.0] * 4, "n": 10}, got
