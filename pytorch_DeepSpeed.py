@@ -80,12 +80,15 @@ def main(cfg):
                        skipped_steps=lambda: engine.skipped_steps if precision == "fp16" else None)
     metrics = fit(cfg, engine, train_loader, test_loader, hooks,
                   DeepSpeedCheckpointer(cfg, __file__, engine, optimizer, scheduler, None, train_loader))
-    ckpt_dir = os.path.join(cfg.save_dir, "pytorch_DeepSpeed", "ds_checkpoint")
-    engine.save_checkpoint(ckpt_dir, tag="final")  # every rank writes its shard
-    barrier()
-    if global_rank() == 0:
-        save_final(get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag="final"), cfg, __file__)
     stage = ds_config["zero_optimization"].get("stage", 0)
+    if stage == 0:  # no partitions: every rank holds the whole model (zero_to_fp32 reads ZeRO files only)
+        save_final(engine.module.state_dict(), cfg, __file__)
+    else:
+        ckpt_dir = os.path.join(cfg.save_dir, "pytorch_DeepSpeed", "ds_checkpoint")
+        engine.save_checkpoint(ckpt_dir, tag="final")  # every rank writes its shard
+        barrier()
+        if global_rank() == 0:
+            save_final(get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag="final"), cfg, __file__)
     return metrics, {"precision": precision if precision == "fp32" else f"ds_{precision}",
                      "strategy": f"deepspeed_zero{stage}" + ("_offload" if cfg.offload else "")}
 

@@ -158,6 +158,17 @@ def test_zero3_gathers_the_final_weights_unless_told_not_to(tmp_path):
     assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
 
 
+def test_deepspeed_without_zero_writes_the_final_weights(tmp_path):
+    """A JSON with no zero_optimization section is stage 0: no ZeRO checkpoint files exist for
+    zero_to_fp32 to read (it raised after training); the whole model is on every rank instead."""
+    path = tmp_path / "plain.json"
+    path.write_text("{}")
+    check_ok(run("pytorch_DeepSpeed.py", tiny_args(tmp_path, deepspeed_config=str(path)), nproc=2, launcher="torchrun"))
+    (row,) = rows(tmp_path / "summary.csv")
+    assert row["status"] == "ok" and row["strategy"] == "deepspeed_zero0", row
+    load_bare(tmp_path, "pytorch_DeepSpeed.py")
+
+
 def test_deepspeed_refuses_flags_it_does_not_use(tmp_path):
     proc = run("pytorch_DeepSpeed.py", tiny_args(tmp_path) + ["--compile"])
     assert "unrecognized arguments: --compile" in one_line_error(proc)
@@ -187,9 +198,12 @@ def test_training_learns_on_synthetic_data(tmp_path):
 
 def test_compile_time_kept_apart_and_same_training(tmp_path):
     plain, compiled = tmp_path / "plain", tmp_path / "compiled"
-    check_ok(run("pytorch_SingleGPU.py", tiny_args(plain)))
-    check_ok(run("pytorch_SingleGPU.py", tiny_args(compiled, compile=True), timeout=600))
+    # a small learning rate: at 0.05 these 4 steps are unstable enough that inductor's rounding
+    # alone moved the loss by 1e-2 on an AMD EPYC; at 1e-3 both give the same loss to 1e-6, while a
+    # warm-up gradient left in place moves it by 4e-4
+    check_ok(run("pytorch_SingleGPU.py", tiny_args(plain, lr=1e-3)))
+    check_ok(run("pytorch_SingleGPU.py", tiny_args(compiled, compile=True, lr=1e-3), timeout=600))
     (a,), (b,) = rows(plain / "summary.csv"), rows(compiled / "summary.csv")
     assert a["compile_time_s"] == "" and float(b["compile_time_s"]) > float(b["train_time_s"])
     # the compile warm-up step leaves no trace: same start, same updates (up to kernel rounding)
-    assert abs(float(a["train_loss"]) - float(b["train_loss"])) < 1e-3
+    assert abs(float(a["train_loss"]) - float(b["train_loss"])) < 1e-4
