@@ -62,11 +62,13 @@ def test_recording_follows_comm_steps(monkeypatch):
     import common.train as train
 
     hooks = TrainHooks(backward=lambda loss: None, step=lambda: None, device=torch.device("cpu"))
+    monkeypatch.setattr(train, "Flops", lambda *args: None)  # its FLOP count and matmul probe are not the subject
     monkeypatch.setattr(train, "world_size", lambda: 2)
-    assert any(isinstance(i, CommRecorder) for i in build_instruments(TrainConfig(), None, hooks))
-    assert not any(isinstance(i, CommRecorder) for i in build_instruments(TrainConfig(comm_steps=0), None, hooks))
+    built = lambda cfg: build_instruments(cfg, None, hooks, train.Metrics())  # noqa: E731
+    assert any(isinstance(i, CommRecorder) for i in built(TrainConfig()))
+    assert not any(isinstance(i, CommRecorder) for i in built(TrainConfig(comm_steps=0)))
     monkeypatch.setattr(train, "world_size", lambda: 1)
-    assert not any(isinstance(i, CommRecorder) for i in build_instruments(TrainConfig(), None, hooks))
+    assert not any(isinstance(i, CommRecorder) for i in built(TrainConfig()))
 
 
 def test_profiled_steps_are_left_out_of_throughput():
