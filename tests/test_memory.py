@@ -129,6 +129,7 @@ def advise(*args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # launches processes
 def test_advise_articles_setup():
     proc = advise("--model", "resnet50", "--image-size", "224", "--batch-size", "128", "--gpus", "4",
                   "--gpu-memory-gib", "24")
@@ -140,6 +141,7 @@ def test_advise_articles_setup():
     assert lines[-1].startswith("recommendation: ddp:"), lines[-1]  # activations dominate ResNet50
 
 
+@pytest.mark.slow  # launches processes
 @pytest.mark.parametrize("args, words", [
     (["--gpu-memory-gib", "0"], "--gpu-memory-gib must be > 0"),
     (["--gpu-memory-gib", "24", "--gpus", "3"], "does not divide by --gpus 3"),

@@ -76,6 +76,7 @@ def test_interleaved_pipeline_and_resume(tmp_path):
     assert all(torch.equal(first[k], again[k]) for k in first)
 
 
+@pytest.mark.slow  # launches processes
 @pytest.mark.parametrize("script, extra, words", [
     ("pytorch_PP.py", {"microbatches": 3}, "does not split into 3 micro-batches"),
     ("pytorch_PP.py", {"split": "1,1"}, "summing to 4"),
@@ -86,6 +87,7 @@ def test_refusals_are_one_line(tmp_path, script, extra, words):
     assert rows(tmp_path / "summary.csv") == []
 
 
+@pytest.mark.slow  # launches processes
 def test_1f1b_needs_a_microbatch_per_stage(tmp_path):
     proc = run("pytorch_PP.py", tiny_args(tmp_path, schedule="1f1b", microbatches=1), nproc=2, launcher="torchrun")
     assert proc.returncode != 0 and "at least as many micro-batches as stages (2)" in proc.stderr

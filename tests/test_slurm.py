@@ -79,6 +79,7 @@ def test_a_failing_job_becomes_a_failed_row(cluster, tmp_path):
     assert row["error"].startswith("pytorch_DDP.py: error: ") and "no_such_model" in row["error"], row
 
 
+@pytest.mark.slow  # launches processes
 def test_dry_run_writes_job_files_that_bash_accepts(tmp_path):
     results = tmp_path / "summary.csv"
     proc = subprocess.run([sys.executable, "benchmark.py", "--preset", "smoke", "--launcher", "slurm", "--nodes", "2",

@@ -136,16 +136,24 @@ class ModelState(Instrument):
         self.cfg, self.model, self.optimizer, self.device, self.probes = cfg, model, optimizer, device, probes
         self.measured: int | None = None
         self.setup = setup_of(cfg, world_size())
+        self._hook = None
+
+    def start(self) -> None:
+        # a global hook (every optimizer of the process): registered only while this run's window
+        # is open, so that an instrument that never opens or closes cannot fire in someone else's step
         self._hook = register_optimizer_step_post_hook(self._after_update)
 
     def _after_update(self, *_) -> None:
-        # the first optimizer.step() to finish: wrappers (ZeRO, DeepSpeed) call an inner torch
-        # optimizer, whose post-hook fires before the wrapper frees its gradient partitions
-        self._hook.remove()
+        # the first optimizer.step() of the window to finish (the state exists from the first update
+        # on): wrappers (ZeRO, DeepSpeed) call an inner torch optimizer, whose post-hook fires before
+        # the wrapper frees its gradient partitions
+        self.stop()
         self.measured = model_state_bytes(self.model, self.optimizer, self.device.type)
 
     def stop(self) -> None:
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def row(self) -> dict:
         local = {"m": None if self.measured is None else self.measured / GIB,
