@@ -35,7 +35,7 @@ def test_smoke_preset_end_to_end(tmp_path):
         assert r["status"] == expected, (script, r["status"], r["error"])
     assert "step 16/16" in proc.stdout and "img/s" in proc.stdout  # live progress
     report = (tmp_path / "REPORT.md").read_text()
-    assert "smoke/pytorch_FSDP" in report and "Published figures" in report and "Tesla P40" in report
+    assert "smoke/pytorch_DeepSpeed" in report and "Published figures" in report and "Tesla P40" in report
     charts = os.listdir(tmp_path / "charts")
     assert any(c.endswith("throughput_img_s.png") for c in charts)
     assert any(c.endswith("test_accuracy.png") for c in charts)
