@@ -7,7 +7,7 @@
     python benchmark.py --preset throughput --repeats 5   # each run launched 5 times, interleaved: medians and CIs
     python benchmark.py compare BASE.csv NEW.csv  # the regression gate: exit 1 when a run got slower beyond noise
     python benchmark.py --preset smoke --world-sizes 1,2,4,8 --scaling weak   # scaling curves per strategy
-    python benchmark.py report                    # rewrite the report (and the README's tables) from the CSV
+    python benchmark.py report --readme           # rewrite the report (--readme: also the README's tables) from the CSV
     python benchmark.py doctor                    # what a bug report needs, then the smoke preset, checked
     python benchmark.py advise --gpus 4 --gpu-memory-gib 24   # predicted memory per strategy, and which to use
 

@@ -3,8 +3,8 @@
     python model_inference.py --checkpoint checkpoints/pytorch_DDP/model_final.pt
     python model_inference.py --checkpoint checkpoints --precision bf16 --channels-last   # every model_final.pt below
     python model_inference.py --checkpoint checkpoints/pytorch_FSDP/model_final.pt --onnx --compile
-    python model_inference.py --checkpoint ckpt --device cpu --dataset synthetic --no-pretrained \\
-        --model resnet18 --image-size 32                                                # same flags as training
+    python model_inference.py --checkpoint ckpt --device cpu --dataset synthetic \\
+        --model resnet18 --image-size 32                     # the training run's data and model flags
 
 Shows what a trained model costs to serve: test accuracy (the same number the training run printed
 for these weights), latency at batch 1 (p50, p90) and throughput at --batch-size, each after

@@ -7,9 +7,10 @@
 
 Shows ZeRO's memory savings (1: optimizer state sharded, 2: + gradients, 3: + parameters) and their
 communication cost on the articles' setup, which the articles never got running. The JSON's "auto"
-values are filled from --batch-size, --grad-accum, --clip-grad-norm and --precision; explicit values
-must agree. The optimizer is a plain torch one (no fused-Adam build), the schedule the same as every
-other script's. Saves a DeepSpeed checkpoint and the consolidated fp32 model_final.pt.
+values are filled from --batch-size, --clip-grad-norm and --precision (gradient_accumulation_steps: 1,
+the scripts do not accumulate); explicit values must agree. The optimizer is a plain torch one
+(no fused-Adam build), the schedule the same as every other script's. Saves a DeepSpeed checkpoint
+and the consolidated fp32 model_final.pt.
 """
 import os
 from contextlib import nullcontext

@@ -2,7 +2,7 @@
 
     EvalConfig         data, model, precision, device and output: what every tool reads
     TrainConfig        + training data and model options, optimization, measurement, saved state
-    DistributedConfig  + the process-group backend and what is measured of it (multi-process scripts)
+    DistributedConfig  + the process-group backend (multi-process scripts)
 
 A script subclasses the one it needs and adds its own fields; model_inference.py extends
 EvalConfig, so its --help shows no training flag. Every field's metadata is its documentation

@@ -17,13 +17,12 @@ def resolve_path(path: str) -> str:
     return os.path.join(PROJECT_ROOT, path)
 
 
-def _fill(ds: dict, key: str, value, path: str):
+def _fill(ds: dict, key: str, value, path: str, fix: str = "change the flags"):
     current = ds.get(key, "auto")
     if current == "auto":
         ds[key] = value
     elif current != value:
-        raise UsageError(f"{path}: {key} is {current} but the flags give {value}; set it to \"auto\" or "
-                         f"change the flags")
+        raise UsageError(f"{path}: {key} is {current} but the flags give {value}; set it to \"auto\" or {fix}")
 
 
 def check_accelerator_supports(precision: str) -> None:
@@ -65,7 +64,9 @@ def resolve_ds_config(cfg: TrainConfig, path: str, world_size: int, micro_batch:
                              f"--optimizer/--lr/--scheduler (one source of truth): remove the \"{key}\" section")
     _fill(ds, "train_batch_size", cfg.batch_size, path)
     _fill(ds, "train_micro_batch_size_per_gpu", micro_batch, path)
-    _fill(ds, "gradient_accumulation_steps", cfg.grad_accum, path)
+    # the DeepSpeed scripts omit --grad-accum (OMIT in them): cfg.grad_accum is its default, 1
+    _fill(ds, "gradient_accumulation_steps", cfg.grad_accum, path,
+          fix=f"{cfg.grad_accum} (the DeepSpeed scripts do not accumulate gradients)")
     if ds["train_batch_size"] != ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world_size:
         raise UsageError(f"{path}: train_batch_size must equal micro batch x accumulation x world size ({world_size})")
     if ds.get("gradient_clipping", "auto") == "auto":
