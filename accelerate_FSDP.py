@@ -34,12 +34,13 @@ from common import (
     steps_per_epoch,
 )
 from common.accel import AccelerateStep, accelerate_precision, check_world, fsdp_plugin, make_gather_eval, require_cuda
-from common.distributed import local_rank
+from common.distributed import init_distributed, local_rank
 
 
 def main(cfg):
     device = pick_device(cfg, local_rank())
     require_cuda(device, "accelerate's FSDP")
+    init_distributed(cfg)  # the group first, with its per-attempt store (restarts); accelerate joins it
     configure_backends(cfg, device)
     model = build_model(cfg)  # before the plugin: the wrap classes come from the model
     accelerator = Accelerator(mixed_precision=accelerate_precision(cfg), fsdp_plugin=fsdp_plugin(model))

@@ -82,7 +82,8 @@ def main(cfg):
     metrics = fit(cfg, engine, train_loader, test_loader, hooks,
                   DeepSpeedCheckpointer(cfg, __file__, engine, optimizer, scheduler, None, train_loader))
     stage = ds_config["zero_optimization"].get("stage", 0)
-    if stage == 0:  # no partitions: every rank holds the whole model (zero_to_fp32 reads ZeRO files only)
+    if stage == 0:  # no partitions: every rank holds the whole model (zero_to_fp32 reads ZeRO files only);
+        # in fp16/bf16 these are the half weights the row's accuracy was measured with, upcast
         save_final(engine.module.state_dict(), cfg, __file__)
     else:
         ckpt_dir = os.path.join(cfg.save_dir, "pytorch_DeepSpeed", "ds_checkpoint")

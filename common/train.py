@@ -162,14 +162,13 @@ def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: 
     devices = hooks.probe_devices or [hooks.device]
     probes = Probes(devices, hooks.device)
     profiled = cfg.comm_steps if world_size() > 1 else 0
-    instruments: list[Instrument] = [
-        probes, ModelState(cfg, model, hooks.optimizer, hooks.device, probes), StepTimes(hooks.device, profiled),
-        Energy(devices, hooks.device, cfg.batch_size),
-        Flops(cfg.model, cfg.image_size, cfg.precision, devices, hooks.device, lambda: m.throughput_img_s),
-        *hooks.instruments]
-    if profiled:
-        instruments.append(CommRecorder(cfg.comm_steps, hooks.device))
-    return instruments
+    # the recorder steps before StepTimes: it stops its profiler in the last profiled step, which
+    # StepTimes leaves out, rather than in the first step after it
+    comm = [CommRecorder(cfg.comm_steps, hooks.device)] if profiled else []
+    return [probes, ModelState(cfg, model, hooks.optimizer, hooks.device, probes), *comm,
+            StepTimes(hooks.device, profiled), Energy(devices, hooks.device, cfg.batch_size),
+            Flops(cfg.model, cfg.image_size, cfg.precision, devices, hooks.device, lambda: m.throughput_img_s),
+            *hooks.instruments]
 
 
 def _to_device(x, y, device, input_dtype, channels_last):
@@ -313,8 +312,10 @@ def epoch_end(cfg: TrainConfig, model, test_loader, hooks: TrainHooks, window: T
         if m.time_to_target_s is None and m.test_accuracy >= cfg.target_accuracy:
             m.time_to_target_s = m.train_time_s
     if checkpointer is not None and cfg.epoch_checkpoints:
+        # net of this process's profiled steps: a resumed process leaves out only its own
+        window_steps, window_time = window.timed()
         checkpointer.save(epoch + 1, {"epoch": epoch + 1, "steps": m.steps, "train_time_s": m.train_time_s,
-                                      "window_time": window.time_s, "window_steps": window.steps,
+                                      "window_time": window_time, "window_steps": window_steps,
                                       "train_loss": m.train_loss, "train_accuracy": m.train_accuracy,
                                       "time_to_target_s": m.time_to_target_s})
 

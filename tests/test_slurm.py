@@ -47,7 +47,6 @@ def test_ddp_through_the_torchrun_template_on_two_nodes(cluster, tmp_path):
     assert proc.returncode == 0, (proc.stderr, text[-4000:])
     assert "2 nodes x 1 processes" in text
     (row,) = rows(tmp_path / "summary.csv")
-    print(row)
     assert row["status"] == "ok" and row["world_size"] == "2" and row["restarts"] == "0", row
     assert int(row["test_samples"]) == 37  # an odd count over 2 ranks: every sample once, none dropped or doubled
 

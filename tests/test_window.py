@@ -105,6 +105,27 @@ def test_fit_times_after_the_warm_up_and_saves_outside_the_window(monkeypatch):
     assert len(evaluations) == 1 and m.test_accuracy == 0.5  # evaluated once, after training
 
 
+def test_saved_window_is_net_of_the_profiled_steps(monkeypatch):
+    """A resumed run restores the saved window and leaves out only its own profiled steps, so the
+    checkpoint must carry the window without the ones profiled before it."""
+    class Profiled(Recorder):
+        def untimed(self):
+            return 2, 1e-6  # as CommRecorder after profiling 2 steps
+
+    rec = Profiled()
+    monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m: [rec])
+    cfg = TrainConfig(epochs=2, timing_warmup_steps=3, log_every=0, batch_size=4, loader_probe_batches=0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [(torch.randn(4, 3, 2, 2), torch.randint(0, 10, (4,))) for _ in range(4)]
+    hooks = TrainHooks(lambda loss: loss.backward(), lambda: opt.step(), torch.device("cpu"), ctx=nullcontext(),
+                       evaluate=lambda *a, **k: (0.5, 10))
+    ckpt = SpyCheckpointer(rec)
+    m = fit(cfg, model, batches, None, hooks, ckpt)
+    assert m.timed_steps == 3
+    assert ckpt.saves == [(1, True, 1), (2, True, 3)]  # epoch 1: 1 step, too few to leave 2 out
+
+
 def test_time_to_target_is_the_training_time_at_the_first_epoch_that_reaches_it(monkeypatch):
     monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m: [])
     cfg = TrainConfig(epochs=3, timing_warmup_steps=0, log_every=0, batch_size=4, loader_probe_batches=0,

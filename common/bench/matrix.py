@@ -117,7 +117,11 @@ def world_size_runs(runs: list[dict], sizes: str, scaling: str, gpus: int) -> li
         if not s.distributed:
             out.append(run)
             continue
-        for w in kept:
+        too_many = [w for w in kept if s.max_processes and w > s.max_processes]
+        if too_many:
+            print(f"--world-sizes: {run['name']} left out at {', '.join(map(str, too_many))} processes: "
+                  f"{s.file} runs at most {s.max_processes}")
+        for w in (w for w in kept if w not in too_many):
             args = {**run["args"], "scaling": scaling}
             if scaling == "weak":
                 for key in ("batch_size", "train_samples"):

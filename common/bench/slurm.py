@@ -38,9 +38,14 @@ def job_file_name(run: dict) -> str:
 def layout(run: dict, nodes: int, gpus_per_node: int) -> tuple[int, int]:
     """(nodes, processes per node): one process per GPU (one on a CPU node) for the distributed
     scripts, one process on one node for the rest."""
-    if not BY_FILE[run["script"]].distributed:
+    s = BY_FILE[run["script"]]
+    if not s.distributed:
         return 1, 1
-    return nodes, max(gpus_per_node, 1)
+    per_node = max(gpus_per_node, 1)
+    if s.max_processes and nodes * per_node > s.max_processes:  # e.g. 4 pipeline stages at most
+        nodes = min(nodes, s.max_processes)
+        per_node = max(1, s.max_processes // nodes)
+    return nodes, per_node
 
 
 def sbatch_text(run: dict, opts, results: str, log_dir: str) -> str:
@@ -51,7 +56,8 @@ def sbatch_text(run: dict, opts, results: str, log_dir: str) -> str:
     name = job_file_name(run)
     sbatch = [f"--job-name={name}", f"--nodes={nodes}", "--ntasks-per-node=1",
               f"--output={os.path.join(log_dir, name)}-%j.log", f"--time={opts.time or hms(run['timeout_s'])}"]
-    sbatch += [f"--gpus-per-node={opts.gpus_per_node}"] if opts.gpus_per_node else []
+    # DataParallel and model parallel use the node's GPUs from one process; a pipeline asks only for its stages
+    sbatch += [f"--gpus-per-node={per_node if s.distributed else opts.gpus_per_node}"] if opts.gpus_per_node else []
     sbatch += [f"--partition={opts.partition}"] if opts.partition else []
     sbatch += [f"--account={opts.account}"] if opts.account else []
     sbatch += list(opts.sbatch_arg or [])

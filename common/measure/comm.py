@@ -127,7 +127,7 @@ def analyze(events, n: int, steps: int) -> dict:
     compute = _union(gpu_compute if gpu_comm else [s for t, s in cpu_ops if t not in threads])
     comm_ns = _length(comm)
     return {"comm_bytes_per_step": payload / steps, "comm_calls_per_step": calls / steps,
-            "comm_ms_per_step": comm_ns / 1e6 / steps if calls else None,
+            "comm_ms_per_step": comm_ns / 1e6 / steps if comm_ns else None,
             "busbw_gbps": bus_bytes / comm_ns if comm_ns else None,  # bytes per ns = GB/s
             "comm_overlap_pct": 100.0 * _intersection(comm, compute) / comm_ns if comm_ns else None}
 
@@ -185,39 +185,52 @@ class CommRecorder(Instrument):
 # section 7): DDP and ZeRO-1/2 move 2B on the wire per rank (reduce-scatter + all-gather, or the
 # all-reduce that is both), ZeRO-3 3B (parameters gathered in forward and again in backward).
 # In S terms (what the column counts): an all-reduce of the gradients is S = B.
-EXPECTED = [  # (strategy prefix, factor x B, what is sent), first match wins
-    ("dp", 2.0, "broadcast the weights to every GPU + reduce the gradients to GPU 0 (torch.cuda.comm)"),
-    ("ddp_zero", 2.0, "all-reduce the gradients + broadcast each rank's updated shard"),
-    ("ddp", 1.0, "all-reduce the gradients"),
-    ("accelerate_ddp", 1.0, "all-reduce the gradients"),
-    ("fsdp_full-shard", 3.0, "all-gather forward + all-gather backward + reduce-scatter the gradients"),
-    ("fsdp_shard-grad-op", 2.0, "all-gather forward + reduce-scatter the gradients"),
-    ("fsdp_no-shard", 1.0, "all-reduce the gradients"),
-    ("accelerate_fsdp", 3.0, "full-shard (config/default_FSDP.yml): 2 all-gathers + reduce-scatter"),
-    ("deepspeed_zero0", 1.0, "all-reduce the gradients"),
-    ("deepspeed_zero1", 2.0, "reduce(-scatter) the gradients + all-gather the updated weights"),
-    ("deepspeed_zero2", 2.0, "reduce(-scatter) the gradients + all-gather the updated weights"),
-    ("deepspeed_zero3", 3.0, "all-gather forward + all-gather backward + reduce-scatter the gradients"),
-    ("accelerate_deepspeed_zero1", 2.0, "as deepspeed_zero1"),
-    ("accelerate_deepspeed_zero2", 2.0, "as deepspeed_zero2"),
-    ("accelerate_deepspeed_zero3", 3.0, "as deepspeed_zero3"),
+# Weights travel (gathers, broadcasts) and gradients travel (reductions) in their own dtypes under
+# mixed precision, so each strategy's S is split into the two.
+EXPECTED = [  # (strategy prefix, weights x B, gradients x B, what is sent), first match wins
+    ("dp", 1.0, 1.0, "broadcast the weights to every GPU + reduce the gradients to GPU 0 (torch.cuda.comm)"),
+    ("ddp_zero", 1.0, 1.0, "all-reduce the gradients + broadcast each rank's updated shard"),
+    ("ddp", 0.0, 1.0, "all-reduce the gradients"),
+    ("accelerate_ddp", 0.0, 1.0, "all-reduce the gradients"),
+    ("fsdp_full-shard", 2.0, 1.0, "all-gather forward + all-gather backward + reduce-scatter the gradients"),
+    ("fsdp_shard-grad-op", 1.0, 1.0, "all-gather forward + reduce-scatter the gradients"),
+    ("accelerate_fsdp", 2.0, 1.0, "full-shard (config/default_FSDP.yml): 2 all-gathers + reduce-scatter"),
+    ("deepspeed_zero0", 0.0, 1.0, "all-reduce the gradients"),
+    ("deepspeed_zero1", 1.0, 1.0, "reduce(-scatter) the gradients + all-gather the updated weights"),
+    ("deepspeed_zero2", 1.0, 1.0, "reduce(-scatter) the gradients + all-gather the updated weights"),
+    ("deepspeed_zero3", 2.0, 1.0, "all-gather forward + all-gather backward + reduce-scatter the gradients"),
+    ("accelerate_deepspeed_zero1", 1.0, 1.0, "as deepspeed_zero1"),
+    ("accelerate_deepspeed_zero2", 1.0, 1.0, "as deepspeed_zero2"),
+    ("accelerate_deepspeed_zero3", 2.0, 1.0, "as deepspeed_zero3"),
 ]
 
 
-def expected_factor(strategy: str) -> float | None:
-    """S per step / parameter bytes for a row's strategy (None: not modelled, e.g. hybrid sharding)."""
-    for prefix, factor, _ in EXPECTED:
+def expected_factors(strategy: str) -> tuple[float, float] | None:
+    """(weights, gradients) sent per step in parameter counts for a row's strategy (None: not
+    modelled, e.g. hybrid sharding)."""
+    for prefix, weights, grads, _ in EXPECTED:
         if strategy == prefix or strategy.startswith(prefix + "_"):
-            return factor
+            return weights, grads
     return None
 
 
-def comm_element_bytes(precision: str) -> int:
-    """Bytes of a communicated element: pure fp16/bf16 runs send half-precision weights and gradients;
-    fp32 and autocast (amp_*) runs keep fp32 parameters and gradients."""
-    return 2 if precision in ("fp16", "bf16") else 4
+def comm_element_bytes(precision: str, strategy: str) -> tuple[int, int]:
+    """Bytes of (a sent weight, a sent gradient element) for a row's precision label."""
+    if precision.startswith(("pure_", "ds_")):
+        # half weights and gradients; DeepSpeed reduces in communication_data_type, which is the
+        # model's fp16/bf16 unless the JSON says otherwise (deepspeed/runtime/engine.py)
+        return 2, 2
+    if precision.startswith("mp_"):
+        return 2, 4  # pytorch_FSDP.py: MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32)
+    if precision in ("fp16", "bf16") and strategy.startswith("accelerate_fsdp"):
+        # accelerate's FullyShardedDataParallelPlugin.set_mixed_precision: param_dtype = reduce_dtype
+        return 2, 2
+    return 4, 4  # fp32, and autocast (amp_*, accelerate DDP's plain label): fp32 weights and gradients
 
 
 def expected_bytes(strategy: str, precision: str, params: int) -> float | None:
-    factor = expected_factor(strategy)
-    return None if factor is None else factor * params * comm_element_bytes(precision)
+    factors = expected_factors(strategy)
+    if factors is None:
+        return None
+    (weights, grads), (w_bytes, g_bytes) = factors, comm_element_bytes(precision, strategy)
+    return params * (weights * w_bytes + grads * g_bytes)

@@ -298,7 +298,7 @@ def predict(s: Setup) -> Prediction:
         p.params = p.grads = p.comm = 4 * n
         numel, count = _zero1_max_rank(shapes, w)
         p.optimizer = 4 * slots * numel + _step_bytes(s, count)
-    if strat.startswith("fsdp") or strat == "fsdp":
+    if strat.startswith("fsdp"):
         p = _fsdp(s, p, units, tensors, slots, half)
     if strat.startswith("deepspeed"):
         p = _deepspeed(s, p, units, shapes, n, slots, half)
