@@ -81,14 +81,13 @@ class SpyCheckpointer:
         self.saves.append((epoch, self.recorder.paused, meta["window_steps"]))
 
 
-def test_fit_times_after_the_warm_up_and_saves_outside_the_window(monkeypatch):
-    rec = Recorder()
+def fit_two_epochs(monkeypatch, rec, evaluations):
+    """fit() over 2 epochs of 4 steps, 3 warm-up steps, with `rec` as the only instrument."""
     monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m: [rec])
     cfg = TrainConfig(epochs=2, timing_warmup_steps=3, log_every=0, batch_size=4, loader_probe_batches=0)
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = [(torch.randn(4, 3, 2, 2), torch.randint(0, 10, (4,))) for _ in range(4)]
-    evaluations = []
 
     def step():
         opt.step()
@@ -97,7 +96,12 @@ def test_fit_times_after_the_warm_up_and_saves_outside_the_window(monkeypatch):
     hooks = TrainHooks(lambda loss: loss.backward(), step, torch.device("cpu"), ctx=nullcontext(),
                        evaluate=lambda *a, **k: evaluations.append(1) or (0.5, 10))
     ckpt = SpyCheckpointer(rec)
-    m = fit(cfg, model, batches, None, hooks, ckpt)
+    return fit(cfg, model, batches, None, hooks, ckpt), ckpt
+
+
+def test_fit_times_after_the_warm_up_and_saves_outside_the_window(monkeypatch):
+    rec, evaluations = Recorder(), []
+    m, ckpt = fit_two_epochs(monkeypatch, rec, evaluations)
     assert m.steps == 8 and m.timed_steps == 5  # warm-up steps 1..3 are outside the window
     assert ckpt.saves == [(1, True, 1), (2, True, 5)]  # saved while paused, window counts carried
     assert rec.events.count("start") == 1 and rec.events.count("step") == 5 and rec.events[-1] == "stop"
@@ -112,16 +116,7 @@ def test_saved_window_is_net_of_the_profiled_steps(monkeypatch):
         def untimed(self):
             return 2, 1e-6  # as CommRecorder after profiling 2 steps
 
-    rec = Profiled()
-    monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m: [rec])
-    cfg = TrainConfig(epochs=2, timing_warmup_steps=3, log_every=0, batch_size=4, loader_probe_batches=0)
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    batches = [(torch.randn(4, 3, 2, 2), torch.randint(0, 10, (4,))) for _ in range(4)]
-    hooks = TrainHooks(lambda loss: loss.backward(), lambda: opt.step(), torch.device("cpu"), ctx=nullcontext(),
-                       evaluate=lambda *a, **k: (0.5, 10))
-    ckpt = SpyCheckpointer(rec)
-    m = fit(cfg, model, batches, None, hooks, ckpt)
+    m, ckpt = fit_two_epochs(monkeypatch, Profiled(), [])
     assert m.timed_steps == 3
     assert ckpt.saves == [(1, True, 1), (2, True, 3)]  # epoch 1: 1 step, too few to leave 2 out
 
