@@ -92,6 +92,8 @@ def _run_args(p):
     add_matrix_args(p)
     add_output_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the commands only (slurm: write the job files only)")
+    p.add_argument("--save-dir", default="", help="checkpoint folder of every run (<save-dir>/<script>/model_final.pt, "
+                   "resume/); default: the preset's save_dir, else the scripts' own (checkpoints)")
     p.add_argument("--launcher", choices=("local", "slurm"), default="local",
                    help="local: one process group per run on this machine; slurm: one sbatch job per run")
     slurm = p.add_argument_group("--launcher slurm")

@@ -17,7 +17,8 @@ LAUNCHER_SAMPLE = ["pytorch_SingleGPU.py", "pytorch_DDP.py", "pytorch_DeepSpeed.
 def bench(tmp_path, *args, timeout=900):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return subprocess.run([sys.executable, "benchmark.py", "--results", str(tmp_path / "summary.csv"),
-                           "--report", str(tmp_path / "REPORT.md"), "--log-dir", str(tmp_path / "logs"), *args],
+                           "--report", str(tmp_path / "REPORT.md"), "--log-dir", str(tmp_path / "logs"),
+                           "--save-dir", str(tmp_path / "ckpt"), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 

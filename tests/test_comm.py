@@ -171,7 +171,8 @@ def test_world_sizes_rows_ddp_volume_and_efficiency(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run([sys.executable, "benchmark.py", "--preset", "t", "--matrix", str(matrix), "--only",
                            "pytorch_DDP.py", "--world-sizes", "1,2,4", "--results", str(tmp_path / "summary.csv"),
-                           "--report", str(tmp_path / "REPORT.md"), "--log-dir", str(tmp_path / "logs")],
+                           "--report", str(tmp_path / "REPORT.md"), "--log-dir", str(tmp_path / "logs"),
+                           "--save-dir", str(tmp_path / "ckpt")],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "4 left out" in proc.stdout

@@ -5,6 +5,7 @@ other kernels, which changes rounding at ~1e-6 relative per op. Through ResNet18
 logits (magnitude ~1-10) move by ~1e-5; MAX_DIFF = 1e-3 leaves two orders of margin while a
 wrong export (missing normalization, wrong layout, dropped layer) moves them by > 0.1.
 """
+import shutil
 import types
 
 import pytest
@@ -24,7 +25,8 @@ def trained(tmp_path_factory):
     check_ok(run("pytorch_SingleGPU.py", tiny_args(tmp)))
     for script in ("pytorch_DDP.py", "pytorch_FSDP.py", "pytorch_DeepSpeed.py"):
         check_ok(run(script, tiny_args(tmp), nproc=2, launcher="torchrun"))
-    return tmp, {r["script"]: float(r["test_accuracy"]) for r in rows(tmp / "summary.csv")}
+    yield tmp, {r["script"]: float(r["test_accuracy"]) for r in rows(tmp / "summary.csv")}
+    shutil.rmtree(tmp, ignore_errors=True)  # four runs' checkpoints, ~0.7 GB: not kept to the session's end
 
 
 @pytest.mark.slow

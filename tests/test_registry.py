@@ -99,6 +99,8 @@ def test_presets_cover_every_registered_script():
     assert gpu["smoke/pytorch_DDP"]["nproc"] == 4 and gpu["smoke/pytorch_SingleGPU"]["nproc"] == 1
     seed = {r["name"]: r for r in matrix.load_matrix(path, "seed", None, gpus=0)}
     assert seed["seed/pytorch_DDP_ZeRO"]["args"]["optimizer"] == "adamw"  # an entry without name changes the default
+    moved = matrix.load_matrix(path, "seed", None, gpus=0, save_dir="/elsewhere")  # benchmark.py --save-dir
+    assert {r["args"]["save_dir"] for r in moved} == {"/elsewhere"}
 
 
 def test_distributed_config_is_what_multi_process_scripts_use():

@@ -31,9 +31,12 @@ def slurm_env(c: Cluster) -> dict:
                       "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
 
 
-def benchmark(c: Cluster, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "benchmark.py", *args], cwd=ROOT, env=slurm_env(c), capture_output=True,
-                          text=True, timeout=600)
+def benchmark(c: Cluster, tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """benchmark.py with every output under tmp_path (the repository's results/ and checkpoints/ untouched)."""
+    out = ["--results", str(tmp_path / "summary.csv"), "--report", str(tmp_path / "REPORT.md"),
+           "--log-dir", str(tmp_path / "logs"), "--save-dir", str(tmp_path / "ckpt")]
+    return subprocess.run([sys.executable, "benchmark.py", *args, *out], cwd=ROOT, env=slurm_env(c),
+                          capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow
@@ -54,13 +57,14 @@ def test_ddp_through_the_torchrun_template_on_two_nodes(cluster, tmp_path):
 @pytest.mark.slow
 def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
     results = tmp_path / "summary.csv"
-    proc = benchmark(cluster, "--preset", "smoke", "--only", "pytorch_DDP.py,pytorch_DeepSpeed.py", "--launcher",
-                     "slurm", "--nodes", "2", "--results", str(results))
+    proc = benchmark(cluster, tmp_path, "--preset", "smoke", "--only", "pytorch_DDP.py,pytorch_DeepSpeed.py",
+                     "--launcher", "slurm", "--nodes", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = {r["script"]: r for r in rows(results)}
     assert sorted(got) == ["pytorch_DDP.py", "pytorch_DeepSpeed.py"], rows(results)
     assert all(r["status"] == "ok" and r["world_size"] == "2" for r in got.values()), got
     assert (tmp_path / "slurm" / "smoke__pytorch_DDP.sbatch").exists()
+    assert (tmp_path / "ckpt" / "pytorch_DeepSpeed" / "model_final.pt").exists()  # --save-dir reached the job
 
 
 @pytest.mark.slow
@@ -70,8 +74,8 @@ def test_a_failing_job_becomes_a_failed_row(cluster, tmp_path):
                       "    runs: [{name: crash, script: pytorch_DDP.py,\n"
                       "            args: {model: no_such_model, dataset: synthetic, device: cpu}}]\n")
     results = tmp_path / "summary.csv"
-    proc = benchmark(cluster, "--preset", "broken", "--matrix", str(matrix), "--launcher", "slurm", "--nodes", "2",
-                     "--results", str(results))
+    proc = benchmark(cluster, tmp_path, "--preset", "broken", "--matrix", str(matrix), "--launcher", "slurm",
+                     "--nodes", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = rows(results)
     assert row["status"] == "failed" and row["run_name"] == "broken/crash" and row["world_size"] == "2", row

@@ -172,9 +172,7 @@ def doctor(opts) -> int:
     if not gpus:
         print("\nno CUDA device: the GPU checks are skipped; running and checking what CPU can run")
     only = [s.strip() for s in opts.only.split(",")] if opts.only else None
-    runs = load_matrix(opts.matrix, opts.preset, only, gpus)
-    for run in runs:
-        run["args"] = {**run["args"], "save_dir": opts.save_dir}
+    runs = load_matrix(opts.matrix, opts.preset, only, gpus, opts.save_dir)
     opts.dry_run = False
     if os.path.exists(opts.results):
         os.remove(opts.results)  # the doctor's own file: each doctor run starts clean

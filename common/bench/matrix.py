@@ -67,7 +67,8 @@ def _entries(spec: dict, path: str) -> list[dict]:
     return out
 
 
-def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int) -> list[dict]:
+def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_dir: str = "") -> list[dict]:
+    """The preset's runs; save_dir (benchmark.py --save-dir) replaces every run's checkpoint folder."""
     with open(path) as fh:
         presets = yaml.safe_load(fh)["presets"]
     if preset not in presets:
@@ -82,7 +83,8 @@ def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int) -> li
         if name in names:
             raise UsageError(f"{path}: run name {name} appears twice; give one a 'name'")
         names.add(name)
-        args = {**spec.get("args", {}), **run.get("args", {}), **run.get("gpu_args" if gpus else "cpu_args", {})}
+        args = {**spec.get("args", {}), **run.get("args", {}), **run.get("gpu_args" if gpus else "cpu_args", {}),
+                **({"save_dir": save_dir} if save_dir else {})}
         runs.append({"name": name, "script": script, "args": args, "nproc": processes(script, gpus),
                      "gpu_only": run.get("gpu_only", False) or BY_FILE[script].needs_cuda,
                      "timeout_s": run.get("timeout_s", spec.get("timeout_s", 3600))})
@@ -307,7 +309,8 @@ def run_matrix(opts) -> int:
     repeats = getattr(opts, "repeats", 1)
     if repeats < 1:
         raise UsageError(f"--repeats must be >= 1; got {repeats}")
-    runs = getattr(opts, "runs", None) or load_matrix(opts.matrix, opts.preset, only, gpus)
+    runs = getattr(opts, "runs", None) or load_matrix(opts.matrix, opts.preset, only, gpus,
+                                                      getattr(opts, "save_dir", ""))
     if getattr(opts, "world_sizes", ""):
         runs = world_size_runs(runs, opts.world_sizes, opts.scaling, gpus)
     from ..results import check_results_path

@@ -120,7 +120,7 @@ def check_opts(opts) -> None:
 def run_slurm(opts) -> int:
     check_opts(opts)
     only = [s.strip() for s in opts.only.split(",")] if opts.only else None
-    runs = load_matrix(opts.matrix, opts.preset, only, opts.gpus_per_node)
+    runs = load_matrix(opts.matrix, opts.preset, only, opts.gpus_per_node, getattr(opts, "save_dir", ""))
     check_results_path(opts.results)
     job_dir = os.path.join(os.path.dirname(opts.results), "slurm")  # results/slurm beside results/summary.csv
     log_dir = os.path.join(job_dir, "logs")
