@@ -245,6 +245,13 @@ def parse_config(cls=TrainConfig, description: str = "", precisions: Sequence[st
     cfg = validate(cls(config=config_path, **values))
     if cfg.precision not in precisions:
         raise UsageError(f"precision must be one of {', '.join(precisions)} for this script; got {cfg.precision!r}")
+    if getattr(cfg, "model", ""):
+        # here, before any process group forms: a bad name found after init_process_group makes torchrun
+        # restart the group (--max-restarts), and on two nodes the restart can die of a peer already gone
+        # (gloo "Connection refused") instead of saying what was wrong
+        from .models import check_model_name
+
+        check_model_name(cfg.model)
     return cfg
 
 

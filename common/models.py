@@ -16,6 +16,12 @@ def classification_models() -> list[str]:
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
+def check_model_name(name: str) -> None:
+    if name not in classification_models():
+        raise UsageError(f"unknown model '{name}'; any torchvision classification model works, "
+                         f"e.g. resnet18, resnet50, mobilenet_v3_small, vit_b_16")
+
+
 def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
     """Swaps the last Linear layer (fc, classifier[-1], heads.head, ...) for a fresh num_classes one."""
     name, last = None, None
@@ -104,9 +110,7 @@ def build_model(cfg, num_classes: int = NUM_CLASSES, pretrained: bool | None = N
     """cfg.model with a num_classes head. pretrained defaults to cfg.pretrained (False for configs
     without it: model_inference.py loads its weights from a checkpoint, never from the internet)."""
     pretrained = getattr(cfg, "pretrained", False) if pretrained is None else pretrained
-    if cfg.model not in classification_models():
-        raise UsageError(f"unknown model '{cfg.model}'; any torchvision classification model works, "
-                         f"e.g. resnet18, resnet50, mobilenet_v3_small, vit_b_16")
+    check_model_name(cfg.model)
     weights = None
     if pretrained:
         weights = torchvision.models.get_model_weights(cfg.model).DEFAULT

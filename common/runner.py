@@ -14,10 +14,20 @@ import traceback
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from . import registry
 from .config import PROJECT_ROOT, TrainConfig, UsageError, parse_config
-from .distributed import claim_failure_row, cleanup, global_rank, pick_device, restart_pending, restarts, world_size
+from .distributed import (
+    claim_failure_row,
+    cleanup,
+    global_rank,
+    launched_world_size,
+    pick_device,
+    restart_pending,
+    restarts,
+    world_size,
+)
 from .measure.fingerprint import fingerprint
 from .registry import script as registry_entry
 from .results import append_row, check_results_path
@@ -53,10 +63,13 @@ def base_row(cfg: TrainConfig, script: str, strategy: str, libraries: tuple[str,
         device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
     except UsageError:
         device = torch.device("cpu")
+    # a run whose group never formed (a peer lost during init_process_group) was still launched as a
+    # world of WORLD_SIZE: its failed row says so rather than 1
+    world = world_size() if dist.is_available() and dist.is_initialized() else launched_world_size()
     return {
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "script": script, "strategy": strategy, "precision": cfg.precision, "world_size": world_size(),
-        "device": device.type, "device_name": device_name(device), "num_devices": world_size(),
+        "script": script, "strategy": strategy, "precision": cfg.precision, "world_size": world,
+        "device": device.type, "device_name": device_name(device), "num_devices": world,
         "model": cfg.model, "dataset": cfg.dataset, "image_size": cfg.image_size,
         "global_batch_size": cfg.batch_size, "epochs": cfg.epochs, "status": "ok",
         "torch_version": torch.__version__, "git_commit": git_commit(), "run_name": cfg.run_name,

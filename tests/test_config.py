@@ -87,6 +87,14 @@ def test_a_field_a_script_omits_is_refused_in_its_yaml(tmp_path):
         parse_config(NoCompile, argv=["--compile"])
 
 
+def test_an_unknown_model_is_refused_while_parsing():
+    """Before any process group forms: found after init_process_group it made torchrun restart the group
+    on two Slurm nodes, and the restart could end in gloo "Connection refused" instead of this line."""
+    with pytest.raises(UsageError, match="unknown model 'no_such_model'"):
+        parse_config(TrainConfig, argv=["--model", "no_such_model"])
+    assert parse_config(TrainConfig, argv=["--model", "resnet18"]).model == "resnet18"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("extra, words", [
     (["--bogus-flag"], "unrecognized arguments"),

@@ -35,6 +35,18 @@ def test_unexpected_failure_is_a_failed_row(monkeypatch, tmp_path):
     assert code == 1 and got[0]["status"] == "failed" and "NCCL watchdog timeout" in got[0]["error"]
 
 
+def test_a_group_that_never_formed_keeps_the_launched_world(monkeypatch, tmp_path):
+    """A peer lost during init_process_group (gloo "Connection refused" after a restart on two Slurm
+    nodes): no group exists, yet the run was launched as a world of 2 and its row says so."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def main(cfg):
+        raise RuntimeError("Gloo connectFullMesh failed with ... Connection refused")
+    code, got = run_launch(monkeypatch, tmp_path, main)
+    assert code == 1 and got[0]["status"] == "failed" and got[0]["world_size"] == "2", got
+
+
 INJECT_OOM = """
 import os
 if os.environ.get("RANK") == "1":  # an OOM on rank 1 at its second forward, injected for the test

@@ -64,7 +64,8 @@ def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
     assert sorted(got) == ["pytorch_DDP.py", "pytorch_DeepSpeed.py"], rows(results)
     assert all(r["status"] == "ok" and r["world_size"] == "2" for r in got.values()), got
     assert (tmp_path / "slurm" / "smoke__pytorch_DDP.sbatch").exists()
-    assert (tmp_path / "ckpt" / "pytorch_DeepSpeed" / "model_final.pt").exists()  # --save-dir reached the job
+    # --save-dir reached the job, as the root of its own folder (--resume auto never sees another job's)
+    assert len(list(tmp_path.glob("ckpt/job*/pytorch_DeepSpeed/model_final.pt"))) == 1
 
 
 @pytest.mark.slow
@@ -87,8 +88,8 @@ def test_dry_run_writes_job_files_that_bash_accepts(tmp_path):
     results = tmp_path / "summary.csv"
     proc = subprocess.run([sys.executable, "benchmark.py", "--preset", "smoke", "--launcher", "slurm", "--nodes", "2",
                            "--gpus-per-node", "4", "--partition", "gpu", "--sbatch-arg=--qos=high", "--dry-run",
-                           "--results", str(results)], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                          timeout=120)
+                           "--results", str(results), "--save-dir", "/ck"], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     files = sorted((tmp_path / "slurm").glob("*.sbatch"))
     assert len(files) == len(SCRIPTS) and not results.exists()  # the smoke preset runs every script
@@ -97,5 +98,7 @@ def test_dry_run_writes_job_files_that_bash_accepts(tmp_path):
         assert check.returncode == 0, (f, check.stderr)
     ddp = (tmp_path / "slurm" / "smoke__pytorch_DDP.sbatch").read_text()
     assert "#SBATCH --nodes=2" in ddp and "#SBATCH --gpus-per-node=4" in ddp and "#SBATCH --qos=high" in ddp
+    assert "export SAVE_DIR=/ck" in ddp and "--save-dir" not in ddp  # the template makes /ck/job<id>
+    assert "--save-dir /ck" in (tmp_path / "slurm" / "smoke__pytorch_SingleGPU.sbatch").read_text()  # no template
     assert "slurm/accelerate.sbatch config/default_DDP.yml accelerate_DDP.py" in \
         (tmp_path / "slurm" / "smoke__accelerate_DDP.sbatch").read_text()

@@ -52,6 +52,10 @@ def sbatch_text(run: dict, opts, results: str, log_dir: str) -> str:
     s = BY_FILE[run["script"]]
     nodes, per_node = layout(run, opts.nodes, opts.gpus_per_node)
     values = {k: v.format(world=nodes * per_node) if isinstance(v, str) else v for k, v in run["args"].items()}
+    # the templates give each job its own checkpoint folder under SAVE_DIR, so that --resume auto
+    # continues a restarted group and never an earlier job; a save_dir in the flags would override it
+    save_root = (values.pop("save_dir", None) if s.distributed else None) or \
+        os.path.join(os.path.dirname(log_dir), "checkpoints")
     args = shlex.join(to_flags({**values, "results": results, "run_name": run["name"]}))
     name = job_file_name(run)
     sbatch = [f"--job-name={name}", f"--nodes={nodes}", "--ntasks-per-node=1",
@@ -73,7 +77,7 @@ def sbatch_text(run: dict, opts, results: str, log_dir: str) -> str:
         + ["set -euo pipefail", f"cd {shlex.quote(PROJECT_ROOT)}",
            f"export PYTHON={shlex.quote(sys.executable)} PATH={shlex.quote(os.path.dirname(sys.executable))}:$PATH",
            f"export GPUS_PER_NODE={per_node} RDZV_PORT={free_port()}",
-           f"export SAVE_DIR={shlex.quote(os.path.join(os.path.dirname(log_dir), 'checkpoints'))}", launch, ""])
+           f"export SAVE_DIR={shlex.quote(save_root)}", launch, ""])
 
 
 def submit(path: str) -> tuple[str, int, str]:
