@@ -36,7 +36,7 @@ from common.accel import AccelerateStep, accelerate_precision, check_world, make
 def main(cfg):
     init_distributed(cfg)  # the group first, with its per-attempt store (restarts); accelerate joins it
     accelerator = Accelerator(cpu=pick_device(cfg).type == "cpu", mixed_precision=accelerate_precision(cfg))
-    rank, world_size = check_world(accelerator)
+    rank, world_size = check_world(accelerator, cfg)
     if world_size > 1 and accelerator.distributed_type not in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
         raise RuntimeError(f"accelerate chose {accelerator.distributed_type}, not DDP")
     device = accelerator.device

@@ -60,7 +60,7 @@ def main(cfg):
     accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision=precision if precision != "fp32" else "no")
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         raise RuntimeError(f"accelerate chose {accelerator.distributed_type}, not DeepSpeed")
-    rank, world_size = check_world(accelerator)
+    rank, world_size = check_world(accelerator, cfg)
     device = info.device
     configure_backends(cfg, device)
     dtype = DTYPES[precision]
@@ -76,8 +76,7 @@ def main(cfg):
 
     hooks = TrainHooks(acc.backward, acc.step, device, ctx=ctx, input_dtype=dtype,
                        evaluate=make_gather_eval(accelerator, world_size), optimizer=optimizer,
-                       skipped_steps=lambda: model.skipped_steps if precision == "fp16" else None)  # the engine's
-    # loss scaler skips overflowing fp16 steps itself
+                       skipped_steps=lambda: model.skipped_steps)  # the engine skips any non-finite step
     metrics = fit(cfg, model, train_loader, test_loader, hooks,
                   AccelerateCheckpointer(cfg, __file__, model, optimizer, scheduler, None, train_loader,
                                          accelerator=accelerator))

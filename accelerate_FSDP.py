@@ -46,7 +46,7 @@ def main(cfg):
     accelerator = Accelerator(mixed_precision=accelerate_precision(cfg), fsdp_plugin=fsdp_plugin(model))
     if accelerator.distributed_type != DistributedType.FSDP:  # never train unsharded under an FSDP label
         raise RuntimeError(f"accelerate chose {accelerator.distributed_type}, not FSDP")
-    rank, world_size = check_world(accelerator)
+    rank, world_size = check_world(accelerator, cfg)
     device = accelerator.device
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)  # sharded by torch.distributed
 

@@ -48,7 +48,7 @@ def main(cfg):
     info = init_distributed(cfg, standalone_group=True)
     rank, world_size, device = info.rank, info.world_size, info.device
     configure_backends(cfg, device)
-    check_dtype_support(cfg.precision, device)
+    check_dtype_support(cfg.precision, device, cfg)
     dtype = DTYPES[cfg.precision]
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)
 

@@ -65,7 +65,7 @@ def main(cfg):
         raise UsageError("--offload moves ZeRO state from GPU to host memory: it needs CUDA devices")
     ds_config, precision = resolve_ds_config(cfg, cfg.deepspeed_config, world_size, per_rank_batch(cfg, world_size),
                                              cfg.offload)
-    check_dtype_support(precision, device)
+    check_dtype_support(precision, device, cfg)
     dtype = DTYPES[precision]
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)
 
@@ -78,7 +78,7 @@ def main(cfg):
     ctx = nullcontext()  # DeepSpeed casts the parameters for fp16/bf16 (not BatchNorm's statistics: see models.py)
 
     hooks = TrainHooks(engine.backward, engine.step, device, ctx=ctx, input_dtype=dtype, optimizer=optimizer,
-                       skipped_steps=lambda: engine.skipped_steps if precision == "fp16" else None)
+                       skipped_steps=lambda: engine.skipped_steps)  # non-finite: any precision
     metrics = fit(cfg, engine, train_loader, test_loader, hooks,
                   DeepSpeedCheckpointer(cfg, __file__, engine, optimizer, scheduler, None, train_loader))
     stage = ds_config["zero_optimization"].get("stage", 0)

@@ -67,7 +67,7 @@ def main(cfg):
     info = init_distributed(cfg, standalone_group=True)
     rank, world_size, device = info.rank, info.world_size, info.device
     configure_backends(cfg, device)
-    check_dtype_support(cfg.precision, device)
+    check_dtype_support(cfg.precision, device, cfg)
     if cfg.cpu_offload and device.type != "cuda":
         raise UsageError("--cpu-offload moves sharded state from GPU to host memory: it needs CUDA devices")
     dtype = DTYPES[cfg.precision]

@@ -27,11 +27,14 @@ def check_precision(accelerator) -> None:
                          f"{accelerator.device.type} it would silently train in fp32); use --precision bf16 or fp32")
 
 
-def check_world(accelerator) -> tuple[int, int]:
+def check_world(accelerator, cfg: TrainConfig) -> tuple[int, int]:
     """Rank and world size from torch.distributed. Under accelerate's DeepSpeed path on CPU, accelerate
     has been seen reporting num_processes=1 and process_index=0 on every one of 2 ranks: trusting it
     would write two rows and train each rank on the whole data set."""
+    from .precision import check_cpu_bf16_convolutions
+
     check_precision(accelerator)
+    check_cpu_bf16_convolutions(cfg, accelerator.mixed_precision, accelerator.device)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if accelerator.num_processes != world and rank == 0:

@@ -30,9 +30,60 @@ def configure_backends(cfg: EvalConfig, device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = cfg.tf32
 
 
-def check_dtype_support(precision: str, device: torch.device) -> None:
+def onednn_bf16_kernels() -> bool:
+    """True where torch's CPU convolutions run oneDNN's native bf16 kernels (avx512_bf16, AMX);
+    ONEDNN_MAX_CPU_ISA=AVX2 turns them off, and bf16 then falls back to reference kernels."""
+    try:
+        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def strided_past_input(model_name: str, image_size: int) -> list[str]:
+    """Convolutions (kernel > 1) whose input is smaller than their stride in some spatial dimension, at
+    this image size: e.g. ResNet's layer4.0.conv1 (3x3, stride 2) on the 1x1 map of a 16 px image.
+    Found by a meta-device forward: no memory, no compute."""
+    from .measure.memory import meta_model
+
+    model, found = meta_model(model_name), []
+
+    def hook(name):
+        def pre(conv, args):
+            small = [s for s, st in zip(args[0].shape[2:], conv.stride) if s < st]
+            if small and max(conv.kernel_size) > 1:
+                found.append(name)
+        return pre
+
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Conv2d):
+            m.register_forward_pre_hook(hook(name))
+    with torch.no_grad():
+        model.eval()(torch.empty(2, 3, image_size, image_size, device="meta"))
+    return found
+
+
+def check_cpu_bf16_convolutions(cfg: EvalConfig, precision: str, device: torch.device) -> None:
+    """Refuses what oneDNN's bf16 backward-weights kernel gets wrong. Seen with torch 2.14.1 (oneDNN
+    3.12.0, `jit_bf16:avx512_core_bf16`, ONEDNN_VERBOSE=1) on an AMD EPYC with avx512_bf16: for a
+    convolution whose input is smaller than its stride, the weight gradient of the taps that only
+    ever meet padding is left uninitialised: 1e34 or inf in some runs and not others, so identical
+    seeded runs differ and bf16 DeepSpeed skips "overflowing" steps at random. fp32, the reference
+    bf16 kernels (no avx512_bf16, or ONEDNN_MAX_CPU_ISA=AVX2) and CUDA are right at the same shapes
+    (tests/test_precision.py)."""
+    if device.type != "cpu" or precision != "bf16" or not onednn_bf16_kernels():
+        return
+    bad = strided_past_input(cfg.model, cfg.image_size)
+    if bad:
+        raise UsageError(f"{cfg.model} at --image-size {cfg.image_size} puts {bad[0]} (stride > its input) where "
+                         f"this CPU's oneDNN bf16 kernels return garbage weight gradients: use a larger "
+                         f"--image-size, fp32, or ONEDNN_MAX_CPU_ISA=AVX2 (slow reference bf16 kernels)")
+
+
+def check_dtype_support(precision: str, device: torch.device, cfg: EvalConfig | None = None) -> None:
     """bf16 needs compute capability 8.0 (Ampere); fp16 arithmetic 5.3, tensor cores 7.0 (the
-    articles' P40 is 6.1: fp16 runs there, but no faster than fp32)."""
+    articles' P40 is 6.1: fp16 runs there, but no faster than fp32). On CPU: the oneDNN bf16 check."""
+    if cfg is not None:
+        check_cpu_bf16_convolutions(cfg, precision, device)
     if device.type != "cuda" or precision not in ("fp16", "bf16"):
         return
     major, minor = torch.cuda.get_device_capability(device)

@@ -45,8 +45,11 @@ COLUMNS = CONTRACT + [
     "pipeline_bubble_pct",
     # software fingerprint
     "cuda_version", "cudnn_version", "nccl_version", "driver_version", "deepspeed_version", "accelerate_version",
+    # why a column that should hold a figure is empty (an instrument that had nothing to measure)
+    "notes",
     "error",
 ]
+HISTORY.append([c for c in COLUMNS if c != "notes"])  # 0.3.0, before notes
 
 
 def _lock(path: str) -> FileLock:

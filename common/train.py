@@ -59,7 +59,9 @@ class TrainHooks:
     input_dtype: torch.dtype = torch.float32  # pure half precision, FSDP and DeepSpeed feed half inputs
     probe_devices: list[torch.device] | None = None  # GPUs this process drives (DataParallel: all of them)
     evaluate: Callable | None = None  # accelerate: through gather_for_metrics
-    skipped_steps: Callable[[], int | None] | None = None  # fp16 overflow skips, read after training
+    # optimizer steps skipped for non-finite gradients (fp16's scaler; DeepSpeed's engine in every
+    # precision), read after training; None where nothing can skip
+    skipped_steps: Callable[[], int | None] | None = None
     optimizer: Any = None  # what holds the optimizer state (for the instruments that measure it)
     # pipelining: the schedule runs forward and backward of all micro-batches in one call, (x, y) ->
     # (logits, loss) on the last stage, (None, None) on the others
@@ -148,12 +150,14 @@ class TimedWindow:
 
     def close(self) -> dict:
         """Stops the instruments and returns their columns (a collective: every rank calls it)."""
-        row = {}
+        row, notes = {}, []
         for i in self.instruments:
             if self.started:
                 i.stop()
-            row.update(i.row())
-        return row
+            cols = i.row()
+            notes += [cols.pop("notes")] if cols.get("notes") else []
+            row.update(cols)
+        return {**row, "notes": "; ".join(notes) or None}
 
 
 def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: Metrics) -> list[Instrument]:

@@ -23,6 +23,19 @@ def tiny_args(tmp_path, **over) -> list[str]:
     return to_flags({**TINY, "results": str(tmp_path / "summary.csv"), "save_dir": str(tmp_path / "ckpt"), **over})
 
 
+def half_size(precision: str) -> dict:
+    """The image size of a half-precision case: 16 px where this CPU runs torch's reference half kernels
+    (~30x slower than fp32: AVX2-only CPUs, or ONEDNN_MAX_CPU_ISA=AVX2), the default 32 px where oneDNN's
+    native kernels run. There 16 px would put ResNet's layer4.0.conv1 (stride 2) on a 1x1 map, whose
+    bf16 weight gradient oneDNN leaves uninitialised; the scripts refuse it (common/precision.py)."""
+    import torch
+
+    if precision == "fp32":
+        return {}
+    native = {"bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported, "fp16": torch.ops.mkldnn._is_mkldnn_fp16_supported}
+    return {} if native[precision]() else {"image_size": 16}
+
+
 def launcher_cmd(launcher: str, nproc: int) -> list[str]:
     if launcher == "torchrun":
         return [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port())]

@@ -8,7 +8,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from helpers import ROOT, TINY, check_ok, clean_env, free_port, rows, run, tiny_args
+from helpers import ROOT, TINY, check_ok, clean_env, free_port, half_size, rows, run, tiny_args
 
 from common.config import TrainConfig
 from common.measure.comm import CommRecorder, analyze, expected_bytes
@@ -121,8 +121,8 @@ def _measured(tmp_path, script, launcher, **over):
     ("pytorch_DeepSpeed.py", "deepspeed", "bf16", 1.0),  # the same in bf16
 ])
 def test_sharded_strategies_send_their_expected_volume(tmp_path, script, launcher, precision, factor):
-    size = {} if precision == "fp32" else {"image_size": 16}  # half convolutions are slow on CPU
-    r = _measured(tmp_path, script, launcher, precision=precision, **size)
+    r = _measured(tmp_path, script, launcher, precision=precision, **half_size(precision))
+    assert r["skipped_steps"] in ("", "0"), r["skipped_steps"]  # a skipped step sends less: not this test's volume
     assert expected_bytes(r["strategy"], r["precision"], RESNET18_PARAMS) == factor * 4 * RESNET18_PARAMS
     assert float(r["comm_bytes_per_step"]) == pytest.approx(factor * 4 * RESNET18_PARAMS, rel=0.10), r["strategy"]
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torchvision
-from helpers import check_ok, one_line_error, rows, run, tiny_args
+from helpers import check_ok, half_size, one_line_error, rows, run, tiny_args
 from test_memory import check_model_state
 
 from common.registry import BY_FILE, SCRIPTS
@@ -69,9 +69,7 @@ def deepspeed_fp16_here() -> bool:
 
 @pytest.mark.parametrize("entry, precision, extra", cases())
 def test_every_script_and_precision(tmp_path, entry, precision, extra):
-    # 16 px: the same code paths at a quarter of the work; fp16/bf16 convolutions fall back to
-    # reference kernels ~30x slower than fp32 on CPUs without oneDNN's half kernels (AMD EPYC)
-    args = tiny_args(tmp_path, precision=precision, **({} if precision == "fp32" else {"image_size": 16}), **extra)
+    args = tiny_args(tmp_path, precision=precision, **half_size(precision), **extra)
     nproc = 2 if entry.distributed else 1
     script = entry.file
     if entry.deepspeed_config and precision == "fp16" and not deepspeed_fp16_here():
@@ -210,3 +208,20 @@ def test_compile_time_kept_apart_and_same_training(tmp_path):
     assert a["compile_time_s"] == "" and float(b["compile_time_s"]) > float(b["train_time_s"])
     # the compile warm-up step leaves no trace: same start, same updates (up to kernel rounding)
     assert abs(float(a["train_loss"]) - float(b["train_loss"])) < 1e-4
+
+
+@pytest.mark.parametrize("poisoned, skipped", [("3", 1), ("2,3,4", 3)])
+def test_deepspeed_bf16_counts_the_steps_it_skips(tmp_path, poisoned, skipped):
+    """DeepSpeed skips a bf16 (or fp32) step whose gradients are not finite as it does an fp16 one
+    (engine.py: skipped_steps += 1 whenever the optimizer reports overflow): the row counts them, and
+    when every timed step was skipped the empty model state says why."""
+    args = tiny_args(tmp_path, precision="bf16", **half_size("bf16"))
+    check_ok(run("tests/twins/nonfinite_grad.py", ["pytorch_DeepSpeed.py"] + args, nproc=2, launcher="torchrun",
+                 env={"NONFINITE_AT": poisoned}))
+    (row,) = rows(tmp_path / "summary.csv")
+    assert row["status"] == "ok" and row["precision"] == "ds_bf16", row
+    assert int(row["skipped_steps"]) == skipped, row["skipped_steps"]
+    if skipped == 3:  # backward passes 2-4 are the three timed steps: no update for the walk to measure
+        assert row["model_state_gib"] == "" and "no optimizer update" in row["notes"], row["notes"]
+    else:
+        assert float(row["model_state_gib"]) > 0 and row["notes"] == ""

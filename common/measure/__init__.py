@@ -4,7 +4,8 @@ Every instrument follows one protocol (`Instrument`) over the timed window that 
 opens after the timing warm-up: start() when the window opens (device synchronized), pause() and
 resume() around work that is not training (epoch-end checkpoint saves), step() after every
 optimizer step inside the window, stop() when training ends, and row() for its CSV columns,
-reduced over ranks (row() is a collective: every rank calls it).
+reduced over ranks (row() is a collective: every rank calls it). An instrument that leaves a
+column of its own empty says why under the key "notes" (joined into the row's notes column).
 
     probes.py       GPU memory peaks (torch.cuda, NVML) and utilization
     fingerprint.py  software and driver versions of the row

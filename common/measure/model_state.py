@@ -163,6 +163,10 @@ class ModelState(Instrument):
         out = dict.fromkeys(("model_state_gib", "pred_model_state_gib", "pred_activation_gib", "pred_peak_gib",
                              "pred_error_pct"))
         out["model_state_gib"] = None if measured is None else round(measured, 6)
+        if measured is None:
+            # the walk runs in the first optimizer update of the window: a library that skipped every
+            # window step (non-finite gradients: see skipped_steps) never updated anything to measure
+            out["notes"] = "model_state_gib: no optimizer update inside the timed window (steps skipped?)"
         if self.setup is not None:
             pred = predict(self.setup)
             out.update(pred_model_state_gib=round(pred.model_state / GIB, 6),

@@ -1,0 +1,59 @@
+"""The oneDNN bf16 check (common/precision.py): which convolutions it flags, that it refuses only
+where the bad kernel runs, and that what it lets through computes the right weight gradients."""
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import check_ok, one_line_error, rows, run, tiny_args
+
+from common import precision
+from common.config import TrainConfig, UsageError
+from common.precision import check_cpu_bf16_convolutions, onednn_bf16_kernels, strided_past_input
+
+
+def test_the_convolutions_flagged_are_those_whose_input_is_smaller_than_their_stride():
+    assert strided_past_input("resnet18", 16) == ["layer4.0.conv1"]  # 3x3 stride 2 on a 1x1 map
+    assert strided_past_input("resnet50", 16) == ["layer4.0.conv2"]  # the bottleneck strides in its 3x3
+    assert strided_past_input("resnet18", 24) == [] == strided_past_input("resnet18", 32)  # 2x2 maps: fine
+
+
+@pytest.mark.parametrize("kernels, prec, size, refused", [
+    (True, "bf16", 16, True), (True, "bf16", 32, False), (True, "fp32", 16, False), (True, "fp16", 16, False),
+    (False, "bf16", 16, False),  # the reference kernels are right (and what ONEDNN_MAX_CPU_ISA=AVX2 gives)
+])
+def test_refused_only_where_the_bad_kernel_would_run(monkeypatch, kernels, prec, size, refused):
+    monkeypatch.setattr(precision, "onednn_bf16_kernels", lambda: kernels)
+    cfg = TrainConfig(model="resnet18", image_size=size)
+    if refused:
+        with pytest.raises(UsageError, match=r"layer4\.0\.conv1 .*ONEDNN_MAX_CPU_ISA=AVX2"):
+            check_cpu_bf16_convolutions(cfg, prec, torch.device("cpu"))
+    else:
+        check_cpu_bf16_convolutions(cfg, prec, torch.device("cpu"))
+    check_cpu_bf16_convolutions(cfg, prec, torch.device("meta"))  # not a CPU: never refused here
+
+
+@pytest.mark.parametrize("size, stride", [(2, 2), (4, 2), (3, 3), (1, 1)])
+def test_the_shapes_let_through_give_right_bf16_weight_gradients(size, stride):
+    """Input at least the stride: bf16 weight gradients agree with fp32 ones on the same bf16 values,
+    five times over (the bad shapes gave 1e34 or inf in some repetitions and not others)."""
+    torch.manual_seed(0)
+    for _ in range(5):
+        x = torch.randn(4, 64, size, size).bfloat16()
+        w = (torch.randn(128, 64, 3, 3) * 0.05).bfloat16().requires_grad_()
+        out = F.conv2d(x, w, stride=stride, padding=1)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+        w32 = w.detach().float().requires_grad_()
+        F.conv2d(x.float(), w32, stride=stride, padding=1).backward(grad_out.float())
+        assert torch.isfinite(w.grad).all()
+        assert (w.grad.float() - w32.grad).abs().max() <= 0.02 * w32.grad.abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not onednn_bf16_kernels(), reason="this CPU runs the reference bf16 kernels: nothing to refuse")
+def test_a_script_refuses_the_bad_shape_in_one_line(tmp_path):
+    proc = run("pytorch_auto_mixed_precision.py", tiny_args(tmp_path, precision="bf16", image_size=16))
+    assert "oneDNN bf16 kernels return garbage weight gradients" in one_line_error(proc)
+    assert rows(tmp_path / "summary.csv") == []
+    # the same flags on the reference kernels: accepted
+    check_ok(run("pytorch_auto_mixed_precision.py", tiny_args(tmp_path, precision="bf16", image_size=16),
+                 env={"ONEDNN_MAX_CPU_ISA": "AVX2"}))
