@@ -56,6 +56,37 @@ def test_analyze_counts_backend_events_once():
     assert got["comm_overlap_pct"] == 25.0
 
 
+def test_analyze_leaves_the_harness_collectives_out():
+    """The metric all-reduces of a --log-every step run inside the harness's range: not the strategy's."""
+    from common.distributed import HARNESS
+
+    strategy = ev("gloo:all_reduce", 0, 1000, th=7, s=[[1000]], d=["float"])
+    harness = [ev(HARNESS, 3000, 500), ev("c10d::allreduce_", 3010, 10, s=[[]], d=["TensorList"]),
+               ev("gloo:all_reduce", 3020, 400, th=7, s=[[4]], d=["double"])]
+    got = analyze([strategy, *harness], n=2, steps=1)
+    assert got["comm_calls_per_step"] == 1.0 and got["comm_bytes_per_step"] == 4000
+    assert analyze([strategy, *harness[1:]], n=2, steps=1)["comm_calls_per_step"] == 2.0  # no range: counted
+
+
+def ddp_calls_per_step(buckets: int, steps: int, rebuild_in_window: bool) -> float:
+    """pytorch_DDP.py's collectives per profiled step: one all-reduce per gradient bucket and one
+    broadcast per buffer dtype (BatchNorm's float statistics, its int64 batch counts: DDP's
+    broadcast_buffers=True before every forward), plus, once, the two broadcasts of the rebuilt bucket
+    order (sizes, indices) in the second iteration's forward (Reducer::sync_bucket_indices)."""
+    return buckets + 2 + (2 / steps if rebuild_in_window else 0)
+
+
+@pytest.mark.slow
+def test_ddp_calls_per_step_do_not_change_with_log_every(tmp_path):
+    """The harness's non-finite check all-reduces at every --log-every step, inside the profiled ones."""
+    import torchvision
+    from test_guards import ddp_buckets
+
+    r = _measured(tmp_path, "pytorch_DDP.py", "torchrun", log_every=1, timing_warmup_steps=2, train_samples=80)
+    buckets = ddp_buckets(torchvision.models.resnet18(num_classes=10))
+    assert float(r["comm_calls_per_step"]) == ddp_calls_per_step(buckets, 3, rebuild_in_window=False) == 5
+
+
 def test_recording_follows_comm_steps(monkeypatch):
     """--comm-steps 0 turns it off; the default records in a world of more than one process."""
     import torch

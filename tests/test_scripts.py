@@ -7,6 +7,8 @@ import pytest
 import torch
 import torchvision
 from helpers import check_ok, half_size, one_line_error, rows, run, tiny_args
+from test_comm import ddp_calls_per_step
+from test_guards import ddp_buckets
 from test_memory import check_model_state
 
 from common.registry import BY_FILE, SCRIPTS
@@ -89,6 +91,9 @@ def test_every_script_and_precision(tmp_path, entry, precision, extra):
         assert row["deepspeed_version"]
     if entry.launcher == "accelerate":
         assert row["accelerate_version"]
+    if entry.file == "pytorch_DDP.py" and precision == "fp32":  # one all-reduce per bucket, and nothing else
+        buckets = ddp_buckets(torchvision.models.resnet18(num_classes=10))
+        assert float(row["comm_calls_per_step"]) == round(ddp_calls_per_step(buckets, 3, rebuild_in_window=True), 3)
     if precision == "fp16" and entry.file != "pytorch_half_precision.py":
         assert row["skipped_steps"] != ""  # a GradScaler (or DeepSpeed's loss scaler) ran and was counted
     load_bare(tmp_path, entry.file)

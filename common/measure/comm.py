@@ -7,7 +7,9 @@ dispatcher events around them (`c10d::allreduce_`, `c10d::_reduce_scatter_base_`
 `record_param_comms` describe the same call a second time and are not counted; `nccl:coalesced`
 (a group of ops already counted one by one) and barriers are not payload. What the backend ran is
 what counts: gloo carries FSDP's reduce-scatter as a `gloo:all_reduce` of the full input, so the
-row counts it as an all-reduce of that size (same bytes, all-reduce bus factor).
+row counts it as an all-reduce of that size (same bytes, all-reduce bus factor). The harness's own
+collectives (metrics, the non-finite check at --log-every steps) run inside a `harness:collective`
+range (common/distributed.py) and are left out: the row is what the strategy sends.
 
 Columns, per optimizer step and per rank, mean over ranks:
   comm_bytes_per_step  message size S as nccl-tests counts it (PERFORMANCE.md): all-reduce,
@@ -31,11 +33,12 @@ and utilization still cover the whole window.
 """
 from __future__ import annotations
 
+import bisect
 import time
 
 import torch
 
-from ..distributed import reduce_metrics, synchronize, world_size
+from ..distributed import HARNESS, reduce_metrics, synchronize, world_size
 from . import Instrument
 
 # backend op name (after "gloo:" / "nccl:") -> the nccl-tests kind it is timed and counted as
@@ -106,9 +109,15 @@ def analyze(events, n: int, steps: int) -> dict:
     FunctionEvents from; FunctionEvent drops the dtypes)."""
     calls, bus_bytes, payload = 0, 0.0, 0
     cpu_comm, threads, gpu_comm, gpu_compute, cpu_ops = [], set(), [], [], []
+    # the harness waits for its collectives inside its range: one that starts there is the harness's
+    harness = _union([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == HARNESS])
+    starts = [a for a, _ in harness]
     for e in events:
         name = e.name()
         span = (e.start_ns(), e.start_ns() + e.duration_ns())
+        at = bisect.bisect_right(starts, span[0]) - 1
+        if at >= 0 and span[0] <= harness[at][1]:
+            continue
         if e.device_type() == torch.autograd.DeviceType.CUDA:
             (gpu_comm if "nccl" in name.lower() else gpu_compute).append(span)
             continue

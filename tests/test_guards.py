@@ -1,0 +1,113 @@
+"""Known inputs with known answers for the places where a planted bug once survived the suite
+(issue 27): each test here goes red on its bug every time, without a launch or a race."""
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from common.distributed import free_port
+from common.measure import stats
+from common.measure.steptime import StepTimes
+
+SKEWED = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 100.0]
+
+
+def test_the_bootstrap_interval_is_of_the_median():
+    """Six launches at 1 and one at 100: a resample's median is 100 only when 4 of its 7 draws are
+    the outlier (p = 0.6%, under the 2.5% tail), so the median's 95% interval is exactly (1, 1); the
+    mean's would reach ~43."""
+    assert stats.median_ci(SKEWED) == (1.0, 1.0)
+    ratio, lo, hi = stats.ratio_ci(SKEWED, [2.0 * x for x in SKEWED])
+    assert (ratio, lo, hi) == (2.0, 2.0, 2.0)
+    summary = stats.summarize(SKEWED)
+    assert summary.median == 1.0 and (summary.ci_low, summary.ci_high) == (1.0, 1.0)
+    assert summary.max == 100.0 and summary.iqr == 0.0
+
+
+def test_step_percentiles_of_known_steps():
+    """1..10 ms: numpy's linear interpolation gives p50 5.5 and p90 9.1; the skipped (profiled)
+    steps in front are left out."""
+    times = StepTimes(torch.device("cpu"), skip=2)
+    times.ms = [500.0, 400.0] + [float(i) for i in range(1, 11)]
+    assert times.row() == {"step_ms_p50": 5.5, "step_ms_p90": 9.1}
+
+
+def _rank(rank, world, port, queue):
+    import torch.distributed as dist
+
+    from common.config import TrainConfig
+    from common.measure.model_state import ModelState
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                store=dist.TCPStore("127.0.0.1", port, world, rank == 0))
+        state = ModelState(TrainConfig(), torch.nn.Linear(2, 2), None, torch.device("cpu"))
+        state.measured = (1 + 2 * rank) * 2**30  # rank 1 holds 3 GiB, rank 0 (which writes the row) 1 GiB
+        times = StepTimes(torch.device("cpu"))
+        times.ms = [10.0 * (rank + 1)] * 4  # and rank 1 is the slower one
+        queue.put((rank, {**state.row(), **times.row()}))
+        dist.destroy_process_group()
+    except Exception as exc:
+        queue.put((rank, {"error": repr(exc)}))
+
+
+def test_per_rank_figures_are_the_max_over_ranks():
+    """Ranks holding different amounts (a pipeline's stages do): every rank's row, rank 0's that is
+    written included, takes the largest, which here is rank 1's."""
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    for row in out.values():
+        assert "error" not in row, row
+        assert row["model_state_gib"] == 3.0
+        assert row["step_ms_p50"] == 20.0 == row["step_ms_p90"]
+
+
+@pytest.mark.parametrize("attempt, max_restarts, writes", [("0", "1", False), ("1", "1", True), ("0", "0", True)])
+def test_a_failing_worker_writes_no_row_while_torchrun_will_restart_it(monkeypatch, attempt, max_restarts, writes):
+    from common.runner import write_row
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", max_restarts)
+    monkeypatch.delenv("RANK", raising=False)
+    assert write_row(1) is writes  # a failure: the last attempt (or a run without restarts) writes it
+    assert write_row(0) is True  # success always writes, from rank 0
+
+
+@pytest.mark.parametrize("content, words", [
+    ('{"train_micro_batch_size_per_gpu": 3}', "train_micro_batch_size_per_gpu is 3 but the flags give 8"),
+    ('{"train_batch_size": 64}', "train_batch_size is 64 but the flags give 16"),
+])
+def test_deepspeed_json_batch_keys_alone(tmp_path, content, words):
+    from common.config import TrainConfig, UsageError
+    from common.deepspeed_config import resolve_ds_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(content)
+    with pytest.raises(UsageError, match=words):
+        resolve_ds_config(TrainConfig(batch_size=16), str(path), world_size=2, micro_batch=8)
+
+
+def ddp_buckets(model: torch.nn.Module) -> int:
+    """The all-reduces DDP issues per step once it has rebuilt its buckets after the first step:
+    gradients in ready order (about the reverse of definition order) cut at 1 MiB for the first
+    bucket, 25 MiB after (torch/nn/parallel/distributed.py, dist._DEFAULT_FIRST_BUCKET_BYTES)."""
+    import torch.distributed as dist
+
+    params = list(reversed(list(model.parameters())))
+    buckets, _ = dist._compute_bucket_assignment_by_size(params, [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20],
+                                                          [False] * len(params))
+    return len(buckets)
+
+
+def test_ddp_buckets_of_resnet18():
+    import torchvision
+
+    assert ddp_buckets(torchvision.models.resnet18(num_classes=10)) == 3
+
+
