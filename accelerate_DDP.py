@@ -30,7 +30,7 @@ from common import (
     save_final,
     steps_per_epoch,
 )
-from common.accel import AccelerateStep, accelerate_precision, check_world, make_gather_eval
+from common.accel import AccelerateStep, accelerate_precision, check_world, make_gather_eval, run_precision
 
 
 def main(cfg):
@@ -53,12 +53,12 @@ def main(cfg):
 
     hooks = TrainHooks(acc.backward, acc.step, device, ctx=ctx, no_sync=lambda: accelerator.no_sync(model),
                        evaluate=make_gather_eval(accelerator, world_size), skipped_steps=acc.skipped_steps,
-                       optimizer=optimizer)
+                       optimizer=optimizer, precision=run_precision(accelerator))
     metrics = fit(cfg, model, train_loader, test_loader, hooks,
                   AccelerateCheckpointer(cfg, __file__, model, optimizer, scheduler, None, train_loader,
                                          accelerator=accelerator))
     save_final(accelerator.get_state_dict(model), cfg, __file__)
-    return metrics, {"precision": accelerator.mixed_precision if accelerator.mixed_precision != "no" else "fp32"}
+    return metrics, {"precision": run_precision(accelerator)}
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def main(cfg):
 
     hooks = TrainHooks(acc.backward, acc.step, device, ctx=ctx, input_dtype=dtype,
                        evaluate=make_gather_eval(accelerator, world_size), optimizer=optimizer,
-                       skipped_steps=lambda: model.skipped_steps)  # the engine skips any non-finite step
+                       skipped_steps=lambda: model.skipped_steps, precision=precision)  # any non-finite step
     metrics = fit(cfg, model, train_loader, test_loader, hooks,
                   AccelerateCheckpointer(cfg, __file__, model, optimizer, scheduler, None, train_loader,
                                          accelerator=accelerator))

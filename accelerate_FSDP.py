@@ -33,7 +33,15 @@ from common import (
     save_final,
     steps_per_epoch,
 )
-from common.accel import AccelerateStep, accelerate_precision, check_world, fsdp_plugin, make_gather_eval, require_cuda
+from common.accel import (
+    AccelerateStep,
+    accelerate_precision,
+    check_world,
+    fsdp_plugin,
+    make_gather_eval,
+    require_cuda,
+    run_precision,
+)
 from common.distributed import init_distributed, local_rank
 
 
@@ -60,12 +68,12 @@ def main(cfg):
     acc = AccelerateStep(cfg, accelerator, model, optimizer, scheduler)  # backward, clip, step, schedule
 
     hooks = TrainHooks(acc.backward, acc.step, device, ctx=ctx, evaluate=make_gather_eval(accelerator, world_size),
-                       optimizer=optimizer)
+                       optimizer=optimizer, precision=run_precision(accelerator))
     metrics = fit(cfg, model, train_loader, test_loader, hooks,
                   AccelerateCheckpointer(cfg, __file__, model, optimizer, scheduler, None, train_loader,
                                          accelerator=accelerator))
     save_final(accelerator.get_state_dict(model), cfg, __file__)  # gathers the full weights on rank 0
-    return metrics, {"precision": accelerator.mixed_precision if accelerator.mixed_precision != "no" else "fp32"}
+    return metrics, {"precision": run_precision(accelerator)}
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def main(cfg):
     ctx = nullcontext()  # DeepSpeed casts the parameters for fp16/bf16 (not BatchNorm's statistics: see models.py)
 
     hooks = TrainHooks(engine.backward, engine.step, device, ctx=ctx, input_dtype=dtype, optimizer=optimizer,
-                       skipped_steps=lambda: engine.skipped_steps)  # non-finite: any precision
+                       skipped_steps=lambda: engine.skipped_steps, precision=precision)  # non-finite: any precision
     metrics = fit(cfg, engine, train_loader, test_loader, hooks,
                   DeepSpeedCheckpointer(cfg, __file__, engine, optimizer, scheduler, None, train_loader))
     stage = ds_config["zero_optimization"].get("stage", 0)

@@ -16,6 +16,12 @@ def accelerate_precision(cfg: TrainConfig) -> str | None:
     return {"fp16": "fp16", "bf16": "bf16"}.get(cfg.precision)
 
 
+def run_precision(accelerator) -> str:
+    """What accelerate trains in (fp32, fp16, bf16): its mixed_precision, which `accelerate launch
+    --mixed_precision` or ACCELERATE_MIXED_PRECISION sets while --precision stays fp32."""
+    return {"fp16": "fp16", "bf16": "bf16"}.get(accelerator.mixed_precision, "fp32")
+
+
 def check_precision(accelerator) -> None:
     """accelerate on CPU keeps mixed_precision="fp16" but runs no autocast (accelerator.py sets
     native_amp only for fp16 on a GPU-like device): the run would train in fp32 under an fp16 label."""

@@ -85,6 +85,9 @@ def resolve_ds_config(cfg: TrainConfig, path: str, world_size: int, micro_batch:
     precision = "fp16" if enabled["fp16"] else "bf16" if enabled["bf16"] else "fp32"
     check_accelerator_supports(precision)
     zero = ds.setdefault("zero_optimization", {"stage": 0})
+    # the optimizer is always a torch one (never a DeepSpeed JSON section): DeepSpeed asserts on any
+    # optimizer it did not build unless told (engine.py _configure_zero_optimizer)
+    ds.setdefault("zero_allow_untested_optimizer", True)
     if zero.get("stage", 0) == 3:
         if zero.setdefault("stage3_gather_16bit_weights_on_model_save", True) is not True:
             raise UsageError(f"{path}: stage3_gather_16bit_weights_on_model_save is false, so the final weights "

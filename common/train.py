@@ -67,6 +67,10 @@ class TrainHooks:
     # (logits, loss) on the last stage, (None, None) on the others
     forward_backward: Callable[[torch.Tensor, torch.Tensor], tuple] | None = None
     instruments: list = field(default_factory=list)  # the script's own instruments (pipeline bubble)
+    # the precision the library really trains in (fp32/fp16/bf16) where it is not --precision:
+    # accelerate's mixed_precision (set by `accelerate launch --mixed_precision` or its config),
+    # DeepSpeed's JSON. Every instrument and the memory prediction read it.
+    precision: str | None = None
 
 
 @dataclass
@@ -164,14 +168,15 @@ def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: 
     """Everything measured over the timed window (common/measure/). Built before the window opens:
     the FLOP count and the CPU matmul probe happen here, outside it."""
     devices = hooks.probe_devices or [hooks.device]
+    precision = hooks.precision or cfg.precision
     probes = Probes(devices, hooks.device)
     profiled = cfg.comm_steps if world_size() > 1 else 0
     # the recorder steps before StepTimes: it stops its profiler in the last profiled step, which
     # StepTimes leaves out, rather than in the first step after it
     comm = [CommRecorder(cfg.comm_steps, hooks.device)] if profiled else []
-    return [probes, ModelState(cfg, model, hooks.optimizer, hooks.device, probes), *comm,
+    return [probes, ModelState(cfg, model, hooks.optimizer, hooks.device, probes, precision), *comm,
             StepTimes(hooks.device, profiled), Energy(devices, hooks.device, cfg.batch_size),
-            Flops(cfg.model, cfg.image_size, cfg.precision, devices, hooks.device, lambda: m.throughput_img_s),
+            Flops(cfg.model, cfg.image_size, precision, devices, hooks.device, lambda: m.throughput_img_s),
             *hooks.instruments]
 
 

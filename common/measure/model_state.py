@@ -98,9 +98,9 @@ def _ds_zero(cfg) -> dict:
         return json.load(fh).get("zero_optimization", {})
 
 
-def setup_of(cfg, world: int) -> Setup | None:
-    """The memory model's setup of this run, from its config and the registry (None for a script the
-    model does not know)."""
+def setup_of(cfg, world: int, precision: str | None = None) -> Setup | None:
+    """The memory model's setup of this run, from its config, the precision the run really trains in
+    (default --precision) and the registry (None for a script the model does not know)."""
     from ..registry import running as entry
 
     if entry is None:
@@ -119,7 +119,7 @@ def setup_of(cfg, world: int) -> Setup | None:
         strategy = f"{strategy}_zero{zero.get('stage', 0)}" + ("_offload" if getattr(cfg, "offload", False) else "")
     if strategy not in STRATEGIES or strategy.endswith("zero0"):
         return None  # a split model (mp, pp_*) or a layout the model does not reproduce: measured only
-    precision = "fp32" if strategy == "dp" else cfg.precision
+    precision = "fp32" if strategy == "dp" else precision or cfg.precision
     if strategy == "dp" and torch.cuda.is_available() and str(cfg.device) != "cpu":
         world = max(1, torch.cuda.device_count())  # one process drives every visible GPU (pytorch_DP.py)
     return Setup(model=cfg.model, image_size=cfg.image_size, batch_size=cfg.batch_size, world_size=world,
@@ -132,10 +132,11 @@ def setup_of(cfg, world: int) -> Setup | None:
 class ModelState(Instrument):
     """Measured model state after the first optimizer update, and the memory model's prediction."""
 
-    def __init__(self, cfg, model: nn.Module, optimizer, device: torch.device, probes=None):
+    def __init__(self, cfg, model: nn.Module, optimizer, device: torch.device, probes=None,
+                 precision: str | None = None):
         self.cfg, self.model, self.optimizer, self.device, self.probes = cfg, model, optimizer, device, probes
         self.measured: int | None = None
-        self.setup = setup_of(cfg, world_size())
+        self.setup = setup_of(cfg, world_size(), precision)
         self._hook = None
 
     def start(self) -> None:
