@@ -11,7 +11,7 @@ FSDP unit (all-gathered just before use, freed after), the root holds the stem a
 ResNet50's 25.6 M parameters are small: expect memory close to DDP's, since activations dominate.
 Final weights are gathered to rank 0 into the same plain model_final.pt every script writes.
 """
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +63,17 @@ def build_mesh(cfg, world_size, device):
     return init_device_mesh(device.type, (world_size // per_node, per_node), mesh_dim_names=("replicate", "shard"))
 
 
+@contextmanager
+def no_sync(model):
+    """--grad-accum: the micro-batches before the last keep unsharded gradients and reduce-scatter
+    nothing, as DDP's no_sync (FSDP2's set_requires_gradient_sync, which accelerate's no_sync calls)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def main(cfg):
     info = init_distributed(cfg, standalone_group=True)
     rank, world_size, device = info.rank, info.world_size, info.device
@@ -93,7 +104,7 @@ def main(cfg):
     ctx = nullcontext()  # MixedPrecisionPolicy casts the parameters (not BatchNorm's statistics: see models.py)
     scaled = ScaledStep(cfg, model, optimizer, scheduler, scaler)  # backward, clip, step, zero_grad, schedule
 
-    hooks = TrainHooks(scaled.backward, scaled.step, device, ctx=ctx, input_dtype=dtype,
+    hooks = TrainHooks(scaled.backward, scaled.step, device, ctx=ctx, input_dtype=dtype, no_sync=lambda: no_sync(model),
                        skipped_steps=scaled.skipped_steps, optimizer=optimizer)
     metrics = fit(cfg, model, train_loader, test_loader, hooks,
                   DCPCheckpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))

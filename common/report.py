@@ -345,7 +345,8 @@ def _comm(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     params = parameter_count(ok.iloc[0].model)
     table, bars = [], []
     for _, r in ok.iterrows():
-        want = expected_bytes(r.strategy, r.precision, params) if params else None
+        accum = int(r.grad_accum) if "grad_accum" in r and not pd.isna(r.grad_accum) else 1
+        want = expected_bytes(r.strategy, r.precision, params, accum) if params else None
         got = r.comm_bytes_per_step
         ratio = f"{got / want:.3f}" if want and not math.isnan(got) else "–"
         table.append([r.label, r.strategy, r.precision, _fmt(r.world_size, 0), _fmt(got / 1e6, 1),

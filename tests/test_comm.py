@@ -87,6 +87,15 @@ def test_ddp_calls_per_step_do_not_change_with_log_every(tmp_path):
     assert float(r["comm_calls_per_step"]) == ddp_calls_per_step(buckets, 3, rebuild_in_window=False) == 5
 
 
+@pytest.mark.slow
+def test_fsdp_accumulation_gathers_per_micro_batch_and_reduces_once(tmp_path):
+    """--grad-accum 2: full shard gathers the weights twice per micro-batch (4x), reduce-scatters once;
+    without set_requires_gradient_sync(False) it would reduce-scatter twice (24 B/param, not 20)."""
+    r = _measured(tmp_path, "pytorch_FSDP.py", "torchrun", grad_accum=2)
+    assert expected_bytes(r["strategy"], r["precision"], RESNET18_PARAMS, 2) == 20 * RESNET18_PARAMS
+    assert float(r["comm_bytes_per_step"]) == pytest.approx(20 * RESNET18_PARAMS, rel=0.10)
+
+
 def test_recording_follows_comm_steps(monkeypatch):
     """--comm-steps 0 turns it off; the default records in a world of more than one process."""
     import torch

@@ -155,3 +155,31 @@ def test_gpu_loader_draws_augmentation_per_rank():
     again = next(iter(data.GpuLoader(images, labels, 8, 1, 2, seed=0, train=True, image_size=32,
                                      device=torch.device("cpu"), augment=True)))[0]
     assert torch.equal(again, batches[1])  # still a function of (seed, epoch, rank)
+
+
+@pytest.mark.parametrize("per_rank, op, want", [(8, "sum", 2 * 100.0), (16, "max", 50.0)])
+def test_loader_rate_over_ranks(monkeypatch, per_rank, op, want):
+    """Data parallel: each of 2 ranks reads 8 of the global 16, and the pipeline's rate is their sum.
+    A pipeline's stages each read all 16 (pytorch_PP.py): the rate is the slowest rank's, not 2x."""
+    from types import SimpleNamespace
+
+    import common.measure.loader as loader_mod
+
+    calls = []
+
+    def fake_reduce(values, device, how):  # rank 0 measured 100 img/s, rank 1 50 (as if the group ran)
+        calls.append(how)
+        (k, v), = values.items()
+        return {k: 2 * v if how == "sum" else max(v, -50.0 if v < 0 else 50.0)}
+
+    monkeypatch.setattr(loader_mod, "world_size", lambda: 2)
+    monkeypatch.setattr(loader_mod, "reduce_metrics", fake_reduce)
+    clock = iter(range(100))
+    monkeypatch.setattr(loader_mod.time, "perf_counter", lambda: next(clock) * per_rank / 100.0)
+    batches = [(torch.zeros(per_rank, 3, 2, 2), torch.zeros(per_rank)) for _ in range(4)]
+    cfg = SimpleNamespace(loader_probe_batches=1, batch_size=16)
+    hooks = SimpleNamespace(device=torch.device("cpu"))
+    monkeypatch.setattr("common.checkpoint.rng_state", lambda loader: None)
+    monkeypatch.setattr("common.checkpoint.set_rng_state", lambda state, loader: None)
+    rate = loader_mod.probe_loader(batches, cfg, hooks)
+    assert calls == [op] and rate == pytest.approx(want)

@@ -214,6 +214,13 @@ EXPECTED = [  # (strategy prefix, weights x B, gradients x B, what is sent), fir
 ]
 
 
+# strategies that gather the weights for every forward (and backward): with --grad-accum N that is N
+# times per optimizer step, while the gradients are reduced once (FSDP2's set_requires_gradient_sync
+# in pytorch_FSDP.py and accelerate's no_sync, as DDP's no_sync); ZeRO-1/2 gather updated weights
+# once, after the step
+GATHER_PER_MICROBATCH = ("fsdp_", "accelerate_fsdp", "deepspeed_zero3", "accelerate_deepspeed_zero3")
+
+
 def expected_factors(strategy: str) -> tuple[float, float] | None:
     """(weights, gradients) sent per step in parameter counts for a row's strategy (None: not
     modelled, e.g. hybrid sharding)."""
@@ -237,9 +244,11 @@ def comm_element_bytes(precision: str, strategy: str) -> tuple[int, int]:
     return 4, 4  # fp32, and autocast (amp_*, accelerate DDP's plain label): fp32 weights and gradients
 
 
-def expected_bytes(strategy: str, precision: str, params: int) -> float | None:
+def expected_bytes(strategy: str, precision: str, params: int, grad_accum: int = 1) -> float | None:
     factors = expected_factors(strategy)
     if factors is None:
         return None
     (weights, grads), (w_bytes, g_bytes) = factors, comm_element_bytes(precision, strategy)
+    if strategy.startswith(GATHER_PER_MICROBATCH):
+        weights *= grad_accum
     return params * (weights * w_bytes + grads * g_bytes)

@@ -2,8 +2,10 @@
 
 The logic of benchmarks/loader_throughput.py inside the run: `loader_probe_batches` batches are
 drawn from the run's own training loader and moved to the device (synchronized), the first one
-(worker start-up) untimed. The figure is summed over ranks, since every rank's pipeline feeds its
-own share of the global batch, and compared with the training throughput at the end: a pipeline
+(worker start-up) untimed. Where every rank's pipeline feeds its own share of the global batch (data
+parallel) the figure is summed over ranks; where each rank reads the whole global batch (a
+pipeline's stages, pytorch_PP.py) it is the slowest rank's. It is compared with the training
+throughput at the end: a pipeline
 that is not clearly faster than training caps it (the warning says so). The probe leaves the
 training untouched: the loader's random state is restored, and the sampler's order depends on
 the epoch alone.
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from ..distributed import reduce_metrics, synchronize
+from ..distributed import reduce_metrics, synchronize, world_size
 
 
 def probe_loader(loader, cfg, hooks) -> float | None:
@@ -23,8 +25,9 @@ def probe_loader(loader, cfg, hooks) -> float | None:
     from ..checkpoint import rng_state, set_rng_state
 
     state = rng_state(loader)
-    images, start = 0, None
+    images, start, per_batch = 0, None, 0
     for i, (x, _) in enumerate(loader):
+        per_batch = x.shape[0]
         x = x.to(hooks.device, non_blocking=True)
         if i == 0:
             synchronize(hooks.device)
@@ -36,5 +39,8 @@ def probe_loader(loader, cfg, hooks) -> float | None:
     synchronize(hooks.device)
     elapsed = time.perf_counter() - start
     set_rng_state(state, loader)
-    return reduce_metrics({"loader_img_s": images / elapsed if elapsed > 0 else None}, hooks.device, "sum")[
-        "loader_img_s"]
+    rate = images / elapsed if elapsed > 0 else None
+    if per_batch * world_size() <= cfg.batch_size:  # each rank its share (a last short batch too)
+        return reduce_metrics({"r": rate}, hooks.device, "sum")["r"]
+    slowest = reduce_metrics({"r": None if rate is None else -rate}, hooks.device, "max")["r"]  # the min
+    return None if slowest is None else -slowest

@@ -331,6 +331,12 @@ def _fsdp(s: Setup, p: Prediction, units, tensors, slots, half) -> Prediction:
         # pre-forward prefetch; backward prefetch of the next unit), plus its reduce-scatter input
         big = sorted(gathered, reverse=True)
         p.comm = sum(big[:2]) + big[0] * 4 / half
+    if s.grad_accum > 1 and not offload:
+        # --grad-accum with set_requires_gradient_sync(False) (pytorch_FSDP.py's no_sync, accelerate's):
+        # each unit keeps its whole gradient, in reduce_dtype fp32 (_fsdp_param.py
+        # unsharded_accumulated_grad), from the first micro-batch to the last one's reduce-scatter
+        p.comm += 4 * sum(sum(_numel(sh) for sh in u) for u in units)
+        p.notes.append("--grad-accum: whole fp32 gradients held between micro-batches")
     return p
 
 
