@@ -87,3 +87,26 @@ def test_cpu_row_has_mfu_step_times_and_energy_where_readable(tmp_path):
         assert float(row["energy_j"]) > 0 and float(row["img_per_j"]) > 0
     else:  # RAPL unreadable (root-only since Linux 5.10): empty, never 0
         assert row["energy_j"] == "" and row["img_per_j"] == ""
+
+
+def test_cpu_peak_is_the_best_gemm_size(monkeypatch):
+    """A clock where a 512 GEMM runs at 0.2 TFLOP/s and every other size at 0.1: the peak is 0.2, not
+    whichever single size a one-size probe happened to pick (1024 at 2 threads, which gave an MFU of 1.27)."""
+    now = [0.0]
+
+    def mm(a, b):
+        n = a.shape[0]
+        now[0] += 2 * n ** 3 / ((0.2 if n == 512 else 0.1) * 1e12)
+
+    monkeypatch.setattr(flops_mod.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(flops_mod.torch, "mm", mm)
+    assert flops_mod.cpu_gemm_tflops(budget_s=10.0) == pytest.approx(0.2)
+
+
+def test_an_mfu_above_one_says_why():
+    row = Flops.__new__(Flops)
+    row.run_device, row.throughput, row.flops_per_img, row.peak = torch.device("cpu"), lambda: 100.0, 2e9, 0.1
+    out = row.row()
+    assert out["mfu"] == 2.0 and "Winograd" in out["notes"]
+    row.peak = 1.0
+    assert "notes" not in row.row()
