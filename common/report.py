@@ -345,7 +345,8 @@ def _comm(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     params = parameter_count(ok.iloc[0].model)
     table, bars = [], []
     for _, r in ok.iterrows():
-        accum = int(r.grad_accum) if "grad_accum" in r and not pd.isna(r.grad_accum) else 1
+        accum = pd.to_numeric(r.get("grad_accum"), errors="coerce")
+        accum = 1 if pd.isna(accum) else int(accum)
         want = expected_bytes(r.strategy, r.precision, params, accum) if params else None
         got = r.comm_bytes_per_step
         ratio = f"{got / want:.3f}" if want and not math.isnan(got) else "–"

@@ -10,9 +10,9 @@ Timing (what the CSV's columns mean):
                     --target-accuracy) is paused out of it. throughput_img_s, the memory peaks,
                     utilization and every other instrument of common/measure/ cover this window.
                     A run with no more steps than the warm-up is timed whole (timed_steps = steps).
-                    In a distributed run the first --comm-steps steps of the window are profiled
-                    (common/measure/comm.py) and left out of throughput_img_s and timed_steps,
-                    unless the window has no other steps.
+                    In a distributed run the --comm-steps steps after the warm-up are profiled
+                    (common/measure/comm.py) and the window opens after them: no instrument sees
+                    them, unless the run has no other steps left (then they are the window).
 The hot loop keeps loss and accuracy sums on the device: the host waits on the device only at
 progress lines (every `log_every` steps) and epoch ends.
 """
@@ -100,16 +100,42 @@ class Metrics:
 
 class TimedWindow:
     """The timed window: opens once `opens_at` optimizer steps are done, accumulates time and steps
-    across epochs, and is paused at every epoch end. Drives the instruments' hooks."""
+    across epochs, and is paused at every epoch end. Drives the instruments' hooks.
+
+    One window for every instrument. What perturbs the run happens outside it: an instrument that
+    needs steps of its own (`outside_window`, the communication profiler) runs them first, and the
+    window opens after them (after the profiler's stop and trace processing too); each process of a
+    resumed run profiles its own first steps the same way. Only when the steps left are no more than
+    the profiler needs is it run inside the window (there is nothing else to time). `prelude()` arms
+    an instrument before the last warm-up step (the model-state walk runs in that step)."""
 
     def __init__(self, opens_at: int, device: torch.device, instruments: list[Instrument], time_s: float = 0.0,
-                 steps: int = 0):
-        self.opens_at, self.device, self.instruments = opens_at, device, instruments
+                 steps: int = 0, total_steps: int | None = None):
+        self.opens_at, self.device, self.total_steps = opens_at, device, total_steps
+        self.instruments = [i for i in instruments if not i.outside_window]
+        self.before = [i for i in instruments if i.outside_window]  # not run yet in this process
+        self.profiling: list[Instrument] = []
+        self.profiled: list[Instrument] = []  # ran their steps: only their rows are left
         self.time_s, self.steps = time_s, steps  # restored from a resumed run's checkpoint
         self.started = self.running = False
         self.t0 = 0.0
 
-    def _open(self) -> None:
+    def _prelude(self, steps_done: int) -> None:
+        if steps_done == self.opens_at - 1:
+            for i in self.instruments + self.before:
+                i.prelude()
+
+    def _open(self, steps_done: int) -> None:
+        left = None if self.total_steps is None else self.total_steps - steps_done
+        first = [i for i in self.before if left is None or left > i.outside_window]
+        if first:  # their steps, then the window
+            self.before = [i for i in self.before if i not in first]
+            self.profiling = first
+            for i in first:
+                i.start()
+            return
+        self.instruments += self.before  # too few steps left to keep them out: inside the window
+        self.before = []
         synchronize(self.device)
         self.t0, self.running = time.perf_counter(), True
         if not self.started:
@@ -121,19 +147,36 @@ class TimedWindow:
                 i.resume()
 
     def epoch_start(self, steps_done: int) -> None:
+        self._prelude(steps_done)
         if steps_done >= self.opens_at:
-            self._open()
+            self._open(steps_done)
 
     def after_step(self, steps_done: int) -> None:
-        if self.running:
+        if self.profiling:
+            for i in self.profiling:
+                i.step()
+            if all(i.done >= i.outside_window for i in self.profiling):
+                self._finish_profiling()
+                self._open(steps_done)
+        elif self.running:
             self.steps += 1
             for i in self.instruments:
                 i.step()
         elif steps_done == self.opens_at:
-            self._open()
+            self._open(steps_done)
+        else:
+            self._prelude(steps_done)
+
+    def _finish_profiling(self) -> None:
+        for i in self.profiling:
+            i.stop()
+        self.profiled += self.profiling
+        self.profiling = []
 
     def epoch_end(self) -> None:
         """Called with the device already synchronized."""
+        if self.profiling:  # the epoch ended first: profiled fewer steps than asked
+            self._finish_profiling()
         if self.running:
             self.time_s += time.perf_counter() - self.t0
             self.running = False
@@ -144,18 +187,15 @@ class TimedWindow:
         return self.time_s + (time.perf_counter() - self.t0 if self.running else 0.0)
 
     def timed(self) -> tuple[int, float]:
-        """(steps, seconds) that throughput counts: the window less what instruments left out of it
-        (the profiled communication steps), unless that leaves nothing."""
-        steps, seconds = self.steps, self.time_s
-        for i in self.instruments:
-            s, t = i.untimed()
-            steps, seconds = steps - s, seconds - t
-        return (steps, seconds) if steps > 0 and seconds > 0 else (self.steps, self.time_s)
+        """(steps, seconds) of the window: what throughput counts."""
+        return self.steps, self.time_s
 
     def close(self) -> dict:
         """Stops the instruments and returns their columns (a collective: every rank calls it)."""
+        if self.profiling:
+            self._finish_profiling()
         row, notes = {}, []
-        for i in self.instruments:
+        for i in self.profiled + self.instruments + self.before:
             if self.started:
                 i.stop()
             cols = i.row()
@@ -171,11 +211,9 @@ def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: 
     precision = hooks.precision or cfg.precision
     probes = Probes(devices, hooks.device)
     profiled = cfg.comm_steps if world_size() > 1 else 0
-    # the recorder steps before StepTimes: it stops its profiler in the last profiled step, which
-    # StepTimes leaves out, rather than in the first step after it
-    comm = [CommRecorder(cfg.comm_steps, hooks.device)] if profiled else []
+    comm = [CommRecorder(cfg.comm_steps, hooks.device)] if profiled else []  # its steps precede the window
     return [probes, ModelState(cfg, model, hooks.optimizer, hooks.device, probes, precision), *comm,
-            StepTimes(hooks.device, profiled), Energy(devices, hooks.device, cfg.batch_size),
+            StepTimes(hooks.device), Energy(devices, hooks.device, cfg.batch_size),
             Flops(cfg.model, cfg.image_size, precision, devices, hooks.device, lambda: m.throughput_img_s),
             *hooks.instruments]
 
@@ -271,7 +309,7 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: Tr
         net, m.compile_time_s = compile_model(model, train_loader, hooks, cfg.channels_last)
     opens_at = cfg.timing_warmup_steps if cfg.timing_warmup_steps < spe * cfg.epochs else 0
     window = TimedWindow(opens_at, device, build_instruments(cfg, model, hooks, m),
-                         *(saved["window_time"], saved["window_steps"]) if saved else ())
+                         *(saved["window_time"], saved["window_steps"]) if saved else (), total_steps=spe * cfg.epochs)
     streak = torch.zeros((), dtype=torch.int32, device=device)
     for epoch in range(saved["epoch"] if saved else 0, cfg.epochs):
         set_epoch(train_loader, epoch)
@@ -321,7 +359,6 @@ def epoch_end(cfg: TrainConfig, model, test_loader, hooks: TrainHooks, window: T
         if m.time_to_target_s is None and m.test_accuracy >= cfg.target_accuracy:
             m.time_to_target_s = m.train_time_s
     if checkpointer is not None and cfg.epoch_checkpoints:
-        # net of this process's profiled steps: a resumed process leaves out only its own
         window_steps, window_time = window.timed()
         checkpointer.save(epoch + 1, {"epoch": epoch + 1, "steps": m.steps, "train_time_s": m.train_time_s,
                                       "window_time": window_time, "window_steps": window_steps,

@@ -215,7 +215,7 @@ def test_compile_time_kept_apart_and_same_training(tmp_path):
     assert abs(float(a["train_loss"]) - float(b["train_loss"])) < 1e-4
 
 
-@pytest.mark.parametrize("poisoned, skipped", [("3", 1), ("2,3,4", 3)])
+@pytest.mark.parametrize("poisoned, skipped", [("3", 1), ("1,2,3,4", 4)])
 def test_deepspeed_bf16_counts_the_steps_it_skips(tmp_path, poisoned, skipped):
     """DeepSpeed skips a bf16 (or fp32) step whose gradients are not finite as it does an fp16 one
     (engine.py: skipped_steps += 1 whenever the optimizer reports overflow): the row counts them, and
@@ -226,7 +226,7 @@ def test_deepspeed_bf16_counts_the_steps_it_skips(tmp_path, poisoned, skipped):
     (row,) = rows(tmp_path / "summary.csv")
     assert row["status"] == "ok" and row["precision"] == "ds_bf16", row
     assert int(row["skipped_steps"]) == skipped, row["skipped_steps"]
-    if skipped == 3:  # backward passes 2-4 are the three timed steps: no update for the walk to measure
+    if skipped == 4:  # every step skipped: no update for the model-state walk to measure
         assert row["model_state_gib"] == "" and "no optimizer update" in row["notes"], row["notes"]
     else:
         assert float(row["model_state_gib"]) > 0 and row["notes"] == ""

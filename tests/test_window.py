@@ -50,7 +50,7 @@ def test_window_opens_after_the_warm_up_and_pauses_at_epoch_ends():
     w.after_step(4)
     w.epoch_end()
     assert rec.events == ["start", "step", "pause", "resume", "step", "pause"]
-    assert w.steps == 2 and w.close() == {"recorded": 7} and rec.events[-1] == "stop"
+    assert w.steps == 2 and w.close() == {"recorded": 7, "notes": None} and rec.events[-1] == "stop"
 
 
 def test_window_that_never_opens_reports_nothing():
@@ -59,7 +59,7 @@ def test_window_that_never_opens_reports_nothing():
     w.epoch_start(0)
     w.after_step(1)
     w.epoch_end()
-    assert w.close() == {"recorded": 0} and rec.events == []
+    assert w.close() == {"recorded": 0, "notes": None} and rec.events == []
 
 
 class TinyNet(nn.Module):
@@ -82,8 +82,9 @@ class SpyCheckpointer:
 
 
 def fit_two_epochs(monkeypatch, rec, evaluations):
-    """fit() over 2 epochs of 4 steps, 3 warm-up steps, with `rec` as the only instrument."""
-    monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m: [rec])
+    """fit() over 2 epochs of 4 steps, 3 warm-up steps, with `rec` as the only instrument (None: as patched)."""
+    if rec is not None:
+        monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m: [rec])
     cfg = TrainConfig(epochs=2, timing_warmup_steps=3, log_every=0, batch_size=4, loader_probe_batches=0)
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -95,7 +96,7 @@ def fit_two_epochs(monkeypatch, rec, evaluations):
 
     hooks = TrainHooks(lambda loss: loss.backward(), step, torch.device("cpu"), ctx=nullcontext(),
                        evaluate=lambda *a, **k: evaluations.append(1) or (0.5, 10))
-    ckpt = SpyCheckpointer(rec)
+    ckpt = SpyCheckpointer(rec or Recorder())
     return fit(cfg, model, batches, None, hooks, ckpt), ckpt
 
 
@@ -109,16 +110,48 @@ def test_fit_times_after_the_warm_up_and_saves_outside_the_window(monkeypatch):
     assert len(evaluations) == 1 and m.test_accuracy == 0.5  # evaluated once, after training
 
 
-def test_saved_window_is_net_of_the_profiled_steps(monkeypatch):
-    """A resumed run restores the saved window and leaves out only its own profiled steps, so the
-    checkpoint must carry the window without the ones profiled before it."""
-    class Profiled(Recorder):
-        def untimed(self):
-            return 2, 1e-6  # as CommRecorder after profiling 2 steps
+class Profiler(Recorder):
+    """Needs 2 steps of its own before the window, as CommRecorder with --comm-steps 2."""
+    outside_window = 2
 
-    m, ckpt = fit_two_epochs(monkeypatch, Profiled(), [])
-    assert m.timed_steps == 3
-    assert ckpt.saves == [(1, True, 1), (2, True, 3)]  # epoch 1: 1 step, too few to leave 2 out
+    def step(self):
+        super().step()
+        self.done += 1
+
+
+def test_profiled_steps_precede_the_window_and_no_instrument_sees_them(monkeypatch):
+    """Warm-up steps 1-3, the profiler from step 4; epoch 1 ends after one profiled step (stopped
+    early), and the window opens at epoch 2: its 4 steps, all of them unprofiled."""
+    rec, prof = Recorder(), Profiler()
+    monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m: [rec, prof])
+    m, ckpt = fit_two_epochs(monkeypatch, None, [])
+    assert prof.events[:3] == ["start", "step", "stop"] and prof.events.count("step") == 1
+    assert m.timed_steps == 4 and rec.events.count("step") == 4 and rec.events[0] == "start"
+    assert [s[2] for s in ckpt.saves] == [0, 4]
+
+
+def test_window_opens_after_the_profiled_steps():
+    rec, prof = Recorder(), Profiler()
+    w = TimedWindow(opens_at=1, device=torch.device("cpu"), instruments=[rec, prof], total_steps=10)
+    w.epoch_start(0)
+    w.after_step(1)  # warm-up
+    assert prof.events == ["start"] and rec.events == []
+    w.after_step(2)
+    w.after_step(3)  # the profiler's 2 steps, then the window opens
+    assert prof.events[-1] == "stop" and rec.events == ["start"] and w.steps == 0
+    w.after_step(4)
+    assert w.steps == 1 and rec.events == ["start", "step"] and prof.events.count("step") == 2
+
+
+def test_too_few_steps_left_profile_inside_the_window():
+    rec, prof = Recorder(), Profiler()
+    w = TimedWindow(opens_at=1, device=torch.device("cpu"), instruments=[rec, prof], total_steps=3)
+    w.epoch_start(0)
+    w.after_step(1)
+    assert rec.events == ["start"] == prof.events  # 2 steps left: both are the window's
+    w.after_step(2)
+    w.after_step(3)
+    assert w.steps == 2 and prof.events.count("step") == 2
 
 
 def test_time_to_target_is_the_training_time_at_the_first_epoch_that_reaches_it(monkeypatch):

@@ -25,6 +25,14 @@ from __future__ import annotations
 class Instrument:
     """Base class: every hook is optional."""
 
+    # steps this instrument needs for itself before the window opens (its work would perturb the
+    # window's: the communication profiler); 0 for the instruments of the window
+    outside_window = 0
+    done = 0  # of those steps, how many it has run
+
+    def prelude(self) -> None:
+        """Before the last warm-up step (or at the window's opening when there is no warm-up)."""
+
     def start(self) -> None:
         pass
 
@@ -39,10 +47,6 @@ class Instrument:
 
     def stop(self) -> None:
         pass
-
-    def untimed(self) -> tuple[int, float]:
-        """(steps, seconds) of the window this instrument perturbed, left out of throughput."""
-        return 0, 0.0
 
     def row(self) -> dict:
         return {}

@@ -26,15 +26,14 @@ Columns, per optimizer step and per rank, mean over ranks:
                        workers, not waits). On CPU both share the same cores, so overlap there means
                        concurrency, not that the cost was hidden.
 
-The profiled steps are left out of throughput_img_s (common/train.py subtracts `untimed()`):
-recording shapes and, on GPU, CUDA activity costs per op, and stopping the profiler processes the
-trace. A window no longer than comm_steps keeps them (there is nothing else to time). Memory peaks
-and utilization still cover the whole window.
+The profiled steps run before the timed window opens (common/train.py TimedWindow): recording
+shapes and, on GPU, CUDA activity costs per op, and stopping the profiler processes the trace, so no
+other instrument (throughput, step times, memory peaks, utilization, energy, pipeline bubble) sees
+them. A run with no more steps left than comm_steps profiles inside its window (nothing else to time).
 """
 from __future__ import annotations
 
 import bisect
-import time
 
 import torch
 
@@ -142,18 +141,20 @@ def analyze(events, n: int, steps: int) -> dict:
 
 
 class CommRecorder(Instrument):
-    """Profiles the first `steps` optimizer steps of the timed window (stopped early at a pause)."""
+    """Profiles `steps` optimizer steps right after the warm-up, before the window opens (stopped early
+    at an epoch end)."""
 
     def __init__(self, steps: int, device: torch.device):
-        self.steps, self.device = steps, device
-        self.prof, self.done, self.t0, self.spent = None, 0, 0.0, 0.0
+        self.steps, self.device, self.outside_window = steps, device, steps
+        self.prof, self.done = None, 0
         self.events: list | None = None
 
     def start(self) -> None:
+        if self.prof is not None or self.events is not None:
+            return  # once per process
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.t0 = time.perf_counter()
         self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
         self.prof.start()
 
@@ -161,25 +162,20 @@ class CommRecorder(Instrument):
         if self.prof is not None:
             self.done += 1
             if self.done >= self.steps:
-                self._finish(in_window=True)
+                self._finish()
 
     def pause(self) -> None:
         if self.prof is not None:
-            self._finish(in_window=False)
+            self._finish()
 
     def stop(self) -> None:
         self.pause()
 
-    def _finish(self, in_window: bool) -> None:
+    def _finish(self) -> None:
         synchronize(self.device)
-        end = time.perf_counter()
         self.prof.stop()
         self.events = self.prof.profiler.kineto_results.events()
-        self.spent = (time.perf_counter() if in_window else end) - self.t0
         self.prof = None
-
-    def untimed(self) -> tuple[int, float]:
-        return (self.done, self.spent) if self.events is not None else (0, 0.0)
 
     def row(self) -> dict:
         local = (analyze(self.events, world_size(), self.done) if self.events is not None and self.done

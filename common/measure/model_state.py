@@ -8,8 +8,9 @@ model_state_gib: bytes of parameters, gradients and optimizer states this rank r
     flat parameter groups and gradient partitions as attributes of its optimizer
     (deepspeed/runtime/zero/stage_1_and_2.py single_partition_of_fp32_groups, bit16_groups_flat,
     averaged_gradients; stage3.py fp32_partitioned_groups_flat, fp16_partitioned_groups_flat).
-    Taken once, right after the first optimizer step's update and before zero_grad (a global
-    torch.optim step post-hook: gradients, weights and optimizer state all exist then), max over ranks.
+    Taken once, in the last warm-up step, right after the optimizer's update and before zero_grad (a
+    global torch.optim step post-hook: gradients, weights and optimizer state all exist then), max
+    over ranks; with no warm-up, in the window's first step.
 pred_model_state_gib, pred_activation_gib, pred_peak_gib: memory.predict() for this run's setup.
 pred_error_pct: on CUDA, (pred_peak - peak_allocated) / peak_allocated in percent.
 """
@@ -139,10 +140,15 @@ class ModelState(Instrument):
         self.setup = setup_of(cfg, world_size(), precision)
         self._hook = None
 
+    def prelude(self) -> None:
+        # a global hook (every optimizer of the process), armed for the last warm-up step, outside
+        # the window: the walk's own time is in no timed step. Removed once it fired or the run
+        # ends, so that an instrument that never closes cannot fire in someone else's step.
+        if self._hook is None and self.measured is None:
+            self._hook = register_optimizer_step_post_hook(self._after_update)
+
     def start(self) -> None:
-        # a global hook (every optimizer of the process): registered only while this run's window
-        # is open, so that an instrument that never opens or closes cannot fire in someone else's step
-        self._hook = register_optimizer_step_post_hook(self._after_update)
+        self.prelude()  # no warm-up: the window's first step (a no-op once armed or measured)
 
     def _after_update(self, *_) -> None:
         # the first optimizer.step() of the window to finish (the state exists from the first update
@@ -165,9 +171,9 @@ class ModelState(Instrument):
                              "pred_error_pct"))
         out["model_state_gib"] = None if measured is None else round(measured, 6)
         if measured is None:
-            # the walk runs in the first optimizer update of the window: a library that skipped every
-            # window step (non-finite gradients: see skipped_steps) never updated anything to measure
-            out["notes"] = "model_state_gib: no optimizer update inside the timed window (steps skipped?)"
+            # the walk runs in the first optimizer update from the last warm-up step on: a library that
+            # skipped all of them (non-finite gradients: see skipped_steps) updated nothing to measure
+            out["notes"] = "model_state_gib: no optimizer update from the last warm-up step on (steps skipped?)"
         if self.setup is not None:
             pred = predict(self.setup)
             out.update(pred_model_state_gib=round(pred.model_state / GIB, 6),

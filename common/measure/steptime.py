@@ -7,8 +7,7 @@ On GPU each step end is a CUDA event recorded on the run device's current stream
 the loop; the events are read when the window pauses or stops, where the device is already
 synchronized. On CPU, where work is synchronous, it is the wall clock. Across ranks each
 percentile is the max over ranks: the slowest rank sets the pace of a synchronous step.
-The first `skip` steps (the profiled communication steps of common/measure/comm.py, slowed by the
-profiler) are left out, unless that leaves none.
+The profiled communication steps (common/measure/comm.py) precede the window: none is counted here.
 """
 from __future__ import annotations
 
@@ -22,8 +21,8 @@ from . import Instrument
 
 
 class StepTimes(Instrument):
-    def __init__(self, device: torch.device, skip: int = 0):
-        self.device, self.skip = device, skip
+    def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
         self.marks: list = []  # this segment's step ends (CUDA events or perf_counter values)
         self.ms: list[float] = []
@@ -54,7 +53,7 @@ class StepTimes(Instrument):
     stop = pause
 
     def row(self) -> dict:
-        ms = self.ms[self.skip:] or self.ms
+        ms = self.ms
         p50, p90 = np.percentile(ms, [50, 90]).tolist() if ms else (None, None)
         out = reduce_metrics({"step_ms_p50": p50, "step_ms_p90": p90}, self.device, "max")
         return {k: None if v is None else round(v, 3) for k, v in out.items()}
