@@ -218,3 +218,13 @@ def test_collectives_benchmark_runs():
                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [ln.split()[0] for ln in proc.stdout.splitlines()[2:]] == ["all_reduce", "all_gather", "reduce_scatter"]
+
+
+def test_a_sub_group_gather_counts_its_own_group():
+    """--sharding hybrid on 8 ranks, 4 per node: FSDP gathers within the 4-rank shard group. The
+    dispatcher's record (output 40, input 10) says so; without it the world size is assumed."""
+    gather = [ev("c10d::_allgather_base_", 0, 10, s=[[40], [10], [], [], []], d=["float"] * 2),
+              ev("gloo:all_gather", 5, 1000, th=7, s=[[10]], d=["float"])]
+    got = analyze(gather, n=8, steps=1)
+    assert got["comm_bytes_per_step"] == 40 * 4 and got["busbw_gbps"] == pytest.approx(160 * 3 / 4 / 1000)
+    assert analyze(gather[1:], n=8, steps=1)["comm_bytes_per_step"] == 80 * 4

@@ -14,7 +14,8 @@ range (common/distributed.py) and are left out: the row is what the strategy sen
 Columns, per optimizer step and per rank, mean over ranks:
   comm_bytes_per_step  message size S as nccl-tests counts it (PERFORMANCE.md): all-reduce,
                        reduce-scatter, broadcast and reduce: the full buffer; all-gather: the gathered
-                       output (the recorded input shard x world size).
+                       output (the recorded input shard x its group's size: the dispatcher's record
+                       of the call, else the world size).
   comm_calls_per_step  backend collectives issued.
   comm_ms_per_step     wall time with at least one collective in flight: on CPU the gloo worker
                        threads' spans, on GPU the NCCL kernels' (the CPU-side nccl event only enqueues).
@@ -34,6 +35,7 @@ them. A run with no more steps left than comm_steps profiles inside its window (
 from __future__ import annotations
 
 import bisect
+import math
 
 import torch
 
@@ -102,6 +104,21 @@ def _intersection(xs, ys) -> int:
     return total
 
 
+def _gather_groups(events) -> dict[tuple, list[int]]:
+    """Group size of each all_gather_into_tensor call, keyed by its input shape, in call order: the
+    dispatcher event `c10d::_allgather_base_` records the output and the input (the backend's event
+    only the input shard). A collective on a sub-group (FSDP's shard group under --sharding hybrid:
+    LOCAL_WORLD_SIZE ranks, not the world) gathers input x group size, not x world size."""
+    groups: dict[tuple, list[int]] = {}
+    for e in sorted((e for e in events if e.name() == "c10d::_allgather_base_"), key=lambda e: e.start_ns()):
+        shapes = e.shapes()
+        if len(shapes) >= 2 and shapes[0] and shapes[1]:
+            out, inp = math.prod(shapes[0]), math.prod(shapes[1])
+            if inp:
+                groups.setdefault(tuple(shapes[1]), []).append(out // inp)
+    return groups
+
+
 def analyze(events, n: int, steps: int) -> dict:
     """The columns from profiler events (torch's _KinetoEvent: name(), shapes(), dtypes(), start_ns(),
     duration_ns(), start_thread_id(), device_type() -- what torch.autograd.profiler builds its
@@ -111,7 +128,8 @@ def analyze(events, n: int, steps: int) -> dict:
     # the harness waits for its collectives inside its range: one that starts there is the harness's
     harness = _union([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == HARNESS])
     starts = [a for a, _ in harness]
-    for e in events:
+    gathers = _gather_groups(events)
+    for e in sorted(events, key=lambda e: e.start_ns()):
         name = e.name()
         span = (e.start_ns(), e.start_ns() + e.duration_ns())
         at = bisect.bisect_right(starts, span[0]) - 1
@@ -122,10 +140,12 @@ def analyze(events, n: int, steps: int) -> dict:
             continue
         backend, _, op = name.partition(":")
         if backend in ("gloo", "nccl") and op in KINDS:
-            kind = KINDS[op]
-            size = message_bytes(kind, e.shapes(), e.dtypes(), n)
+            kind, group = KINDS[op], n
+            if kind == "all_gather" and e.shapes() and gathers.get(tuple(e.shapes()[0] or ())):
+                group = gathers[tuple(e.shapes()[0])].pop(0)
+            size = message_bytes(kind, e.shapes(), e.dtypes(), group)
             calls, payload = calls + 1, payload + size
-            bus_bytes += size * bus_factor(kind, n)
+            bus_bytes += size * bus_factor(kind, group)
             if backend == "gloo":
                 cpu_comm.append(span)
                 threads.add(e.start_thread_id())
