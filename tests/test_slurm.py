@@ -69,6 +69,22 @@ def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
 
 
 @pytest.mark.slow
+def test_accelerate_deepspeed_through_the_accelerate_template_on_two_nodes(cluster, tmp_path):
+    """accelerate's multi-node DeepSpeed default, pdsh, would run `deepspeed --hostfile` on each node;
+    config/default_DeepSpeed.yml asks for the standard launcher: one torchrun per node, one world."""
+    log = tmp_path / "job.log"
+    proc = subprocess.run(["sbatch", "--wait", "--nodes=2", f"--output={log}", "slurm/accelerate.sbatch",
+                           "config/default_DeepSpeed.yml", "accelerate_DeepSpeed.py", *tiny_args(tmp_path)], cwd=ROOT,
+                          env={**slurm_env(cluster), "RDZV_PORT": str(free_port()), "GPUS_PER_NODE": "1"},
+                          capture_output=True, text=True, timeout=300)
+    text = log.read_text() if log.exists() else ""
+    assert proc.returncode == 0, (proc.stderr, text[-4000:])
+    (row,) = rows(tmp_path / "summary.csv")
+    assert row["status"] == "ok" and row["world_size"] == "2" and row["strategy"] == "accelerate_deepspeed_zero2", row
+    assert int(row["test_samples"]) == 37
+
+
+@pytest.mark.slow
 def test_a_failing_job_becomes_a_failed_row(cluster, tmp_path):
     matrix = tmp_path / "m.yaml"
     matrix.write_text("presets:\n  broken:\n    timeout_s: 120\n"
@@ -98,6 +114,7 @@ def test_dry_run_writes_job_files_that_bash_accepts(tmp_path):
         assert check.returncode == 0, (f, check.stderr)
     ddp = (tmp_path / "slurm" / "smoke__pytorch_DDP.sbatch").read_text()
     assert "#SBATCH --nodes=2" in ddp and "#SBATCH --gpus-per-node=4" in ddp and "#SBATCH --qos=high" in ddp
+    assert "#SBATCH --cpus-per-task=4" in ddp  # 4 ranks x (0 loader workers in the smoke preset + 1)
     assert "export SAVE_DIR=/ck" in ddp and "--save-dir" not in ddp  # the template makes /ck/job<id>
     assert "--save-dir /ck" in (tmp_path / "slurm" / "smoke__pytorch_SingleGPU.sbatch").read_text()  # no template
     assert "slurm/accelerate.sbatch config/default_DDP.yml accelerate_DDP.py" in \

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from ..config import PROJECT_ROOT, UsageError, to_flags
+from ..config import PROJECT_ROOT, TrainConfig, UsageError, to_flags
 from ..distributed import free_port
 from ..registry import BY_FILE
 from ..results import check_results_path, read_rows
@@ -64,6 +64,11 @@ def sbatch_text(run: dict, opts, results: str, log_dir: str) -> str:
     sbatch += [f"--gpus-per-node={per_node if s.distributed else opts.gpus_per_node}"] if opts.gpus_per_node else []
     sbatch += [f"--partition={opts.partition}"] if opts.partition else []
     sbatch += [f"--account={opts.account}"] if opts.account else []
+    if not any(a.startswith(("--cpus-per-task", "-c")) for a in opts.sbatch_arg or []):
+        # every rank and its loader workers a core of their own (torchrun's agent shares): without it a
+        # site with no per-GPU CPU default gives the node's one task a single core
+        workers = values.get("workers", TrainConfig.workers)
+        sbatch += [f"--cpus-per-task={(per_node if s.distributed else 1) * (int(workers) + 1)}"]
     sbatch += list(opts.sbatch_arg or [])
     if not s.distributed:
         launch = f"srun \"$PYTHON\" {s.file} {args}"
