@@ -75,3 +75,20 @@ def one_line_error(proc: subprocess.CompletedProcess, code: int = 2) -> str:
     lines = [ln for ln in proc.stderr.splitlines() if ": error: " in ln]
     assert lines, proc.stderr
     return lines[0]
+
+
+def pp_bytes_per_step(model: str, image_size: int, batch: int, pieces: int = 2, split: str = "") -> float:
+    """What a 2-stage pipeline sends per optimizer step and rank, as the row counts it: the activation at
+    the cut forward and its gradient back, for the whole batch (its micro-batches add up), one send and
+    one receive per rank."""
+    import torch
+
+    from common.measure.memory import meta_model
+    from common.pipeline import plan
+    from common.pipeline import split as split_pieces
+
+    net = meta_model(model).eval()
+    first = split_pieces(net, plan(net, pieces, split))[0]
+    act = first(torch.empty(batch, 3, image_size, image_size, device="meta"))
+    return 2 * act.numel() * act.element_size()
+

@@ -28,6 +28,7 @@ class Event(SimpleNamespace):
     def start_ns(self): return self.t  # noqa: E704
     def duration_ns(self): return self.dur  # noqa: E704
     def start_thread_id(self): return self.th  # noqa: E704
+    def extra_meta(self): return getattr(self, "meta", {})  # noqa: E704
     def device_type(self):  # noqa: E301
         import torch
         return torch.autograd.DeviceType.CPU
@@ -228,3 +229,21 @@ def test_a_sub_group_gather_counts_its_own_group():
     got = analyze(gather, n=8, steps=1)
     assert got["comm_bytes_per_step"] == 40 * 4 and got["busbw_gbps"] == pytest.approx(160 * 3 / 4 / 1000)
     assert analyze(gather[1:], n=8, steps=1)["comm_bytes_per_step"] == 80 * 4
+
+
+def test_nccl_point_to_point_in_a_coalesced_batch_is_counted_from_its_param_comms():
+    """A pipeline step on NCCL: batch_isend_irecv coalesces, so no nccl:send/recv event exists, only
+    record_param_comms per op and a shapeless nccl:coalesced. An uncoalesced send has both: once."""
+    def comms(name, nelems, t, dtype="Float"):
+        e = ev("record_param_comms", t, 5)
+        e.meta = {"Collective name": name, "In msg nelems": nelems, "dtype": dtype}
+        return e
+
+    coalesced = [comms("send", 1000, 0), comms("recv", 500, 10, "BFloat16"), ev("nccl:coalesced", 20, 100),
+                 comms("allreduce", 99, 200)]  # a collective's record: counted from its nccl: event, not here
+    got = analyze(coalesced, n=2, steps=1)
+    assert got["comm_calls_per_step"] == 2 and got["comm_bytes_per_step"] == 4000 + 1000
+    single = [comms("send", 1000, 0), ev("nccl:send", 10, 100, s=[[1000]], d=["float"])]
+    assert analyze(single, n=2, steps=1)["comm_bytes_per_step"] == 4000
+    gloo = [ev("gloo:send", 0, 100, th=7, s=[[1000]], d=["float"])]  # gloo records no param comms
+    assert analyze(gloo, n=2, steps=1)["comm_bytes_per_step"] == 4000

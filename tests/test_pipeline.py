@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from helpers import check_ok, one_line_error, rows, run, tiny_args
+from helpers import check_ok, one_line_error, pp_bytes_per_step, rows, run, tiny_args
 from test_scripts import load_bare
 
 from common.config import TrainConfig, UsageError
@@ -115,3 +115,7 @@ def test_report_sets_the_bubble_beside_the_textbook(tmp_path):
     append_row(csv, {**common, "script": "pytorch_DDP.py", "strategy": "ddp"})
     report = open(write_report(csv, str(tmp_path / "R.md"))).read()
     assert "| pytorch_PP fp32 x2 | pp_1f1b | 2 | 4 | 31.5 | 20.0 |" in report and "| ddp | 2 | 4 |" not in report
+
+
+def test_pipeline_bytes_of_resnet18():
+    assert pp_bytes_per_step("resnet18", 32, 16) == 2 * 16 * 256 * 2 * 2 * 4  # layer3's output, fp32

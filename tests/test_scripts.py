@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torchvision
-from helpers import check_ok, half_size, one_line_error, rows, run, tiny_args
+from helpers import check_ok, half_size, one_line_error, pp_bytes_per_step, rows, run, tiny_args
 from test_comm import ddp_calls_per_step
 from test_guards import ddp_buckets
 from test_memory import check_model_state
@@ -94,6 +94,8 @@ def test_every_script_and_precision(tmp_path, entry, precision, extra):
     if entry.file == "pytorch_DDP.py" and precision == "fp32":  # one all-reduce per bucket, and nothing else
         buckets = ddp_buckets(torchvision.models.resnet18(num_classes=10))
         assert float(row["comm_calls_per_step"]) == round(ddp_calls_per_step(buckets, 3, rebuild_in_window=True), 3)
+    if entry.file == "pytorch_PP.py":  # the activation at the cut and its gradient, nothing else
+        assert float(row["comm_bytes_per_step"]) == pp_bytes_per_step("resnet18", 32, 16), row["comm_bytes_per_step"]
     if precision == "fp16" and entry.file != "pytorch_half_precision.py":
         assert row["skipped_steps"] != ""  # a GradScaler (or DeepSpeed's loss scaler) ran and was counted
     load_bare(tmp_path, entry.file)

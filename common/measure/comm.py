@@ -52,6 +52,9 @@ KINDS = {
     "all_to_all": "all_to_all", "gather": "gather", "gather_single": "gather", "scatter": "scatter",
     "send": "send", "recv": "recv",
 }
+# record_param_comms' dtype names (c10 ScalarType) -> bytes
+PARAM_COMMS_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2,
+                     "Char": 1, "Byte": 1, "Bool": 1}
 ELEMENT_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
                  "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
 
@@ -119,6 +122,14 @@ def _gather_groups(events) -> dict[tuple, list[int]]:
     return groups
 
 
+def _meta(e) -> dict:
+    """A kineto event's metadata (record_param_comms: Collective name, dtype, In msg nelems, ...)."""
+    try:
+        return e.extra_meta() or {}
+    except (AttributeError, RuntimeError):
+        return {}
+
+
 def analyze(events, n: int, steps: int) -> dict:
     """The columns from profiler events (torch's _KinetoEvent: name(), shapes(), dtypes(), start_ns(),
     duration_ns(), start_thread_id(), device_type() -- what torch.autograd.profiler builds its
@@ -129,6 +140,16 @@ def analyze(events, n: int, steps: int) -> dict:
     harness = _union([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == HARNESS])
     starts = [a for a, _ in harness]
     gathers = _gather_groups(events)
+    # NCCL point-to-point inside a coalescing group (batch_isend_irecv: every pipeline schedule's
+    # sends and receives) gets no nccl:send / nccl:recv event of its own: ProcessGroupNCCL's
+    # pointToPoint only records the op for the flight recorder while coalescing, and endCoalescing's
+    # work is a shapeless `nccl:coalesced` (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp,
+    # initWork(..., "nccl:coalesced", {}, {})). Every send() and recv() first records
+    # record_param_comms with its element count and dtype (RECORD_PARAM_COMMS_DATA, coalesced or
+    # not), so on NCCL the point-to-point traffic is counted from those, and nccl:send/recv not again.
+    p2p = [e for e in events if e.name() == "record_param_comms"
+           and (_meta(e).get("Collective name") in ("send", "recv"))]
+    p2p_ids = {id(e) for e in p2p}
     for e in sorted(events, key=lambda e: e.start_ns()):
         name = e.name()
         span = (e.start_ns(), e.start_ns() + e.duration_ns())
@@ -139,6 +160,13 @@ def analyze(events, n: int, steps: int) -> dict:
             (gpu_comm if "nccl" in name.lower() else gpu_compute).append(span)
             continue
         backend, _, op = name.partition(":")
+        if p2p and backend == "nccl" and op in ("send", "recv"):
+            continue  # counted from its record_param_comms
+        if id(e) in p2p_ids:
+            meta = _meta(e)
+            size = int(meta.get("In msg nelems") or 0) * PARAM_COMMS_BYTES.get(str(meta.get("dtype")), 0)
+            calls, payload, bus_bytes = calls + 1, payload + size, bus_bytes + size
+            continue
         if backend in ("gloo", "nccl") and op in KINDS:
             kind, group = KINDS[op], n
             if kind == "all_gather" and e.shapes() and gathers.get(tuple(e.shapes()[0] or ())):

@@ -268,3 +268,16 @@ def test_comm_columns_from_nccl_kernels(tmp_path, script, launcher, factor):
     assert as_float(row, "comm_bytes_per_step") == pytest.approx(factor * 4 * 11_181_642, rel=0.10)
     assert as_float(row, "comm_ms_per_step") > 0 and as_float(row, "busbw_gbps") > 0
     assert 0 <= as_float(row, "comm_overlap_pct") <= 100
+
+
+@two_gpus
+def test_pipeline_bytes_on_nccl_are_the_activations_sent(tmp_path):
+    """1F1B on NCCL: batch_isend_irecv coalesces every send and receive, which then have no nccl:send
+    event of their own; the row counts them from record_param_comms (common/measure/comm.py)."""
+    from helpers import pp_bytes_per_step
+
+    args = gpu_args(tmp_path, world=2, model="resnet18")
+    check_ok(run("pytorch_PP.py", args + ["--schedule", "1f1b", "--microbatches", "4"], nproc=2, launcher="torchrun"))
+    (row,) = rows(tmp_path / "summary.csv")
+    size, batch = int(row["image_size"]), int(row["global_batch_size"])
+    assert as_float(row, "comm_bytes_per_step") == pytest.approx(pp_bytes_per_step("resnet18", size, batch), rel=0.01)
