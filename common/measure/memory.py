@@ -84,14 +84,23 @@ class Prediction:
     activations: float = 0.0
     comm: float = 0.0
     notes: list[str] = field(default_factory=list)
+    curve: tuple = ()  # backward_curve of the setup's micro-batch
 
     @property
     def model_state(self) -> float:
         return self.params + self.grads + self.optimizer + self.master
 
     @property
+    def backward_peak(self) -> float:
+        """The most the saved activations, the gradients and the gradient flowing back hold together,
+        along backward_curve (the activations scaled to this setup's: precision, autocast copies,
+        checkpointing); max(activations, grads) where the walk is not available."""
+        curve = self.curve or ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0))
+        return max(a * self.activations + g * self.grads + f for a, g, f in curve)
+
+    @property
     def peak(self) -> float:
-        return self.params + self.optimizer + self.master + self.comm + max(self.activations, self.grads)
+        return self.params + self.optimizer + self.master + self.comm + self.backward_peak
 
     def gib(self) -> dict:
         out = {c: getattr(self, c) / GIB for c in COMPONENTS}
@@ -191,6 +200,82 @@ def saved_activation_bytes(model_name: str, image_size: int, batch: int, dtype: 
     return sum(seen.values()), per_stage
 
 
+@functools.lru_cache(maxsize=64)
+def backward_curve(model_name: str, image_size: int, batch: int, dtype: torch.dtype = torch.float32,
+                   channels_last: bool = False) -> tuple[tuple[float, float, float], ...]:
+    """The backward pass in order, on the meta device: after each step, (share of the saved
+    activations still alive, share of the parameters whose gradient exists, bytes of the gradient
+    flowing back at that point). A saved storage is freed when autograd unpacks it for the last
+    time (saved_tensors_hooks' unpack); a gradient appears when it is accumulated
+    (register_post_accumulate_grad_hook). ResNet's layer4 and fc hold most of the parameters and
+    their gradients appear first, while layer1-3's activations are still alive: at small batches
+    that sum, not max(activations, gradients), is the peak."""
+    model = meta_model(model_name).to(dtype=dtype)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.float()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model.train()
+    params = list(model.parameters())
+    owned = {_storage_key(t) for t in params + list(model.buffers())}
+    uses: dict[int, int] = {}
+    size: dict[int, int] = {}
+    state = {"alive": 0, "grads": 0, "flow": 0}
+    curve: list[tuple[int, int, int]] = []
+    total_params = sum(p.numel() for p in params)
+
+    def pack(t):
+        key = _storage_key(t)
+        if key not in owned:
+            if key not in size:
+                size[key] = t.untyped_storage().nbytes()
+                state["alive"] += size[key]
+            uses[key] = uses.get(key, 0) + 1
+        return t
+
+    def unpack(t):
+        key = _storage_key(t)
+        # the gradient flowing back through this node has the shape of what it saved (a conv's
+        # input, a ReLU's output): alive beside the saved tensors while the node runs
+        state["flow"] = t.untyped_storage().nbytes()
+        if key in uses:
+            uses[key] -= 1
+            if uses[key] == 0:
+                state["alive"] -= size.pop(key)
+                del uses[key]
+            curve.append((state["alive"], state["grads"], state["flow"]))
+        return t
+
+    def accumulated(p):
+        state["grads"] += p.numel()
+        curve.append((state["alive"], state["grads"], state["flow"]))
+
+    handles = [p.register_post_accumulate_grad_hook(accumulated) for p in params]
+    x = torch.empty(batch, 3, image_size, image_size, device="meta", dtype=dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits.float(), torch.zeros(batch, dtype=torch.long,
+                                                                                  device="meta"))
+        start = state["alive"]
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return tuple((a / start if start else 0.0, g / total_params, f) for a, g, f in [(start, 0, 0), *curve])
+
+
+def _curve(s: Setup) -> tuple:
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(s.precision, torch.float32)
+    try:
+        return backward_curve(s.model, s.image_size, s.micro_batch, dtype, s.channels_last)
+    except Exception:  # a model whose backward the meta device cannot run: the plain max instead
+        return ()
+
+
 def activation_bytes(s: Setup) -> float:
     """Saved activations of one rank's micro-batch, by precision and checkpointing.
 
@@ -273,7 +358,7 @@ def predict(s: Setup) -> Prediction:
     half = ITEMSIZE[s.precision]
     w = s.world_size
     slots = _opt_slots(s)
-    p = Prediction(s, activations=activation_bytes(s))
+    p = Prediction(s, activations=activation_bytes(s), curve=_curve(s))
     strat = s.strategy.removeprefix("accelerate_")
     if strat in ("single", "amp", "dp", "ddp"):
         # autocast keeps fp32 weights, gradients and optimizer state (torch/amp/autocast_mode.py casts per op)
