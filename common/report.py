@@ -219,10 +219,29 @@ def _memory_setup(r):
                  zero={"reduce_bucket_size": 50_000_000, "overlap_comm": True, "contiguous_gradients": True})
 
 
+def _predicted_parts(r) -> dict | None:
+    """The predicted components of a row in GiB, plus `backward` (the peak beyond them): the row's own
+    pred_*_gib where it has them, else rebuilt from its columns (rows of 0.3.0 and earlier)."""
+    from .measure.memory import COMPONENTS, GIB, predict
+
+    cols = {c: pd.to_numeric(r.get(f"pred_{c}_gib"), errors="coerce") for c in COMPONENTS if c != "activations"}
+    cols["activations"] = pd.to_numeric(r.get("pred_activation_gib"), errors="coerce")
+    peak = pd.to_numeric(r.get("pred_peak_gib"), errors="coerce")
+    if any(pd.isna(v) for v in cols.values()) or pd.isna(peak):
+        setup = _memory_setup(r)
+        if setup is None:
+            return None
+        pred = predict(setup)
+        cols, peak = pred.gib(), pred.peak / GIB
+    parts = {c: float(cols[c]) for c in COMPONENTS}
+    parts["backward"] = max(0.0, float(peak) - sum(v for c, v in parts.items() if c != "grads"))
+    return parts
+
+
 def _memory(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     """Predicted vs measured memory (common/measure/memory.py, model_state.py), and the predicted
     components per run as stacked bars with the measured peak marked."""
-    from .measure.memory import COMPONENTS, predict
+    from .measure.memory import COMPONENTS
 
     section = latest(rows)
     section = section[(section.status == "ok") & section.pred_peak_gib.notna()]
@@ -233,20 +252,21 @@ def _memory(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
         table.append([r.label, r.strategy, _fmt(r.world_size, 0), _fmt(r.model_state_gib, 3),
                       _fmt(r.pred_model_state_gib, 3), _fmt(r.pred_activation_gib, 3), _fmt(r.pred_peak_gib, 3),
                       _fmt(r.peak_allocated_gib, 3), _fmt(r.pred_error_pct, 1)])
-        setup = _memory_setup(r)
-        if setup is not None:
-            bars.append((r.label, predict(setup).gib(), r.peak_allocated_gib))
+        parts = _predicted_parts(r)
+        if parts is not None:
+            bars.append((r.label, parts, r.peak_allocated_gib))
     lines = ["Memory per rank, predicted (`benchmark.py advise` model) vs measured, GiB:", ""]
     lines += _table(["run", "strategy", "world", "model state", "pred model state", "pred activations",
                      "pred peak", "peak alloc", "pred error %"], table)
     if bars:
         fig, ax = plt.subplots(figsize=(8, 0.45 * len(bars) + 1.6))
         left = [0.0] * len(bars)
-        # the bars add up to the predicted peak: gradients count only beyond the activations they replace
-        for comp in [c for c in COMPONENTS if c != "grads"] + ["grads"]:
-            values = [max(0.0, b[1]["grads"] - b[1]["activations"]) if comp == "grads" else b[1][comp] for b in bars]
+        # the bars add up to the predicted peak: at backward's peak some activations are freed and
+        # gradients (and the gradient flowing back) have appeared: what that adds beyond the activations
+        for comp in [c for c in COMPONENTS if c != "grads"] + ["backward"]:
+            values = [b[1][comp] for b in bars]
             ax.barh([b[0] for b in bars], values, left=left,
-                    label="grads beyond activations" if comp == "grads" else comp)
+                    label="backward beyond activations" if comp == "backward" else comp)
             left = [a + v for a, v in zip(left, values)]
         measured = [(i, b[2]) for i, b in enumerate(bars) if not math.isnan(b[2])]
         if measured:
@@ -255,7 +275,7 @@ def _memory(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
         ax.invert_yaxis()
         ax.set_xlabel("GiB per rank")
         ax.set_title("Predicted peak by component (bars), measured peak allocated (|)", fontsize=10)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the bars
         fig.tight_layout()
         path = os.path.join(out_dir, f"{slug}_memory_components.png")
         fig.savefig(path, dpi=110)

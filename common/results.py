@@ -40,6 +40,7 @@ COLUMNS = CONTRACT + [
     "energy_j", "img_per_j", "target_accuracy", "time_to_target_s",
     # memory: measured model state and the memory model's prediction
     "model_state_gib", "pred_model_state_gib", "pred_activation_gib", "pred_peak_gib", "pred_error_pct",
+    "pred_params_gib", "pred_grads_gib", "pred_optimizer_gib", "pred_master_gib", "pred_comm_gib",
     # communication and pipelining
     "comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step", "busbw_gbps", "comm_overlap_pct",
     "pipeline_bubble_pct",
@@ -49,7 +50,9 @@ COLUMNS = CONTRACT + [
     "notes",
     "error",
 ]
-HISTORY.append([c for c in COLUMNS if c != "notes"])  # 0.3.0, before notes
+# 0.3.0: before the notes and the predicted components
+HISTORY.append([c for c in COLUMNS if c != "notes" and not (c.startswith("pred_") and c.endswith(
+    ("params_gib", "grads_gib", "optimizer_gib", "master_gib", "comm_gib")))])
 
 
 def _lock(path: str) -> FileLock:

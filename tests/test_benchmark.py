@@ -164,3 +164,23 @@ def test_doctor_on_cpu(tmp_path):
     assert "| smoke/pytorch_DDP: GPU columns empty on CPU | pass |" in out
     assert "| smoke/accelerate_FSDP: one row, status skipped | pass |" in out
     assert "FAIL" not in out and ", 0 fail" in out
+
+
+def test_memory_chart_draws_the_rows_own_prediction():
+    """A DataParallel row's prediction is made with the GPU count its process drives, which the row's
+    world_size (1) does not say: the chart takes the row's pred_*_gib, and rebuilds only old rows."""
+    import pandas as pd
+
+    from common.report import _predicted_parts
+
+    row = pd.Series({"pred_params_gib": 0.1, "pred_grads_gib": 0.1, "pred_optimizer_gib": 0.1,
+                     "pred_master_gib": 0.0, "pred_comm_gib": 0.5, "pred_activation_gib": 1.0, "pred_peak_gib": 1.8,
+                     "script": "pytorch_DP.py", "strategy": "dp", "world_size": 1.0})
+    parts = _predicted_parts(row)
+    assert parts["comm"] == 0.5 and parts["backward"] == pytest.approx(0.1)
+    old = row.drop(["pred_params_gib", "pred_grads_gib", "pred_optimizer_gib", "pred_master_gib", "pred_comm_gib"])
+    old = pd.concat([old, pd.Series({"model": "resnet18", "image_size": 32, "global_batch_size": 16,
+                                     "precision": "fp32", "optimizer": "sgd", "grad_accum": 1,
+                                     "grad_checkpointing": False})])
+    rebuilt = _predicted_parts(old)  # world 1: DataParallel's comm term (whole batch on GPU 0) is 0
+    assert rebuilt is not None and rebuilt["comm"] == 0.0

@@ -11,7 +11,8 @@ model_state_gib: bytes of parameters, gradients and optimizer states this rank r
     Taken once, in the last warm-up step, right after the optimizer's update and before zero_grad (a
     global torch.optim step post-hook: gradients, weights and optimizer state all exist then), max
     over ranks; with no warm-up, in the window's first step.
-pred_model_state_gib, pred_activation_gib, pred_peak_gib: memory.predict() for this run's setup.
+pred_model_state_gib, pred_activation_gib, pred_peak_gib: memory.predict() for this run's setup, and
+    its components pred_params_gib, pred_grads_gib, pred_optimizer_gib, pred_master_gib, pred_comm_gib.
 pred_error_pct: on CUDA, (pred_peak - peak_allocated) / peak_allocated in percent.
 """
 from __future__ import annotations
@@ -168,7 +169,8 @@ class ModelState(Instrument):
         reduced = reduce_metrics(local, self.device, "max")
         measured, peak_allocated_gib = reduced["m"], reduced["peak"]
         out = dict.fromkeys(("model_state_gib", "pred_model_state_gib", "pred_activation_gib", "pred_peak_gib",
-                             "pred_error_pct"))
+                             "pred_error_pct", "pred_params_gib", "pred_grads_gib", "pred_optimizer_gib",
+                             "pred_master_gib", "pred_comm_gib"))
         out["model_state_gib"] = None if measured is None else round(measured, 6)
         if measured is None:
             # the walk runs in the first optimizer update from the last warm-up step on: a library that
@@ -178,6 +180,9 @@ class ModelState(Instrument):
             pred = predict(self.setup)
             out.update(pred_model_state_gib=round(pred.model_state / GIB, 6),
                        pred_activation_gib=round(pred.activations / GIB, 6), pred_peak_gib=round(pred.peak / GIB, 6))
+            # the components, so that the report draws this run's prediction rather than rebuilding it
+            out.update({f"pred_{c}_gib": round(getattr(pred, c) / GIB, 6)
+                        for c in ("params", "grads", "optimizer", "master", "comm")})
             if peak_allocated_gib:
                 out["pred_error_pct"] = round(100 * (pred.peak / GIB - peak_allocated_gib) / peak_allocated_gib, 2)
         return out
