@@ -32,7 +32,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import TrainConfig
-from .distributed import all_reduce, broadcast_buffers, global_rank, reduce_metrics, synchronize, world_size
+from .distributed import (
+    all_reduce,
+    barrier,
+    broadcast_buffers,
+    global_rank,
+    reduce_metrics,
+    synchronize,
+    world_size,
+)
 from .measure import Instrument
 from .measure.comm import CommRecorder
 from .measure.energy import Energy
@@ -157,6 +165,9 @@ class TimedWindow:
                 i.step()
             if all(i.done >= i.outside_window for i in self.profiling):
                 self._finish_profiling()
+                # ranks end their trace processing at different times: without this the first timed
+                # step would hold the wait for the slowest (idle time a pipeline's bubble would count)
+                barrier()
                 self._open(steps_done)
         elif self.running:
             self.steps += 1
