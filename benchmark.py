@@ -51,7 +51,10 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(opts) -> int:
-    from common.bench.matrix import run_matrix
+    if opts.launcher == "slurm":  # one sbatch job per run
+        from common.bench.slurm import run_slurm as run_matrix
+    else:
+        from common.bench.matrix import run_matrix
 
     run_matrix(opts)
     if not opts.dry_run:

@@ -249,9 +249,10 @@ def parse_config(cls=TrainConfig, description: str = "", precisions: Sequence[st
         # here, before any process group forms: a bad name found after init_process_group makes torchrun
         # restart the group (--max-restarts), and on two nodes the restart can die of a peer already gone
         # (gloo "Connection refused") instead of saying what was wrong
-        from .models import check_model_name
+        from .names import unknown_model
 
-        check_model_name(cfg.model)
+        if unknown_model(cfg.model):
+            raise UsageError(unknown_model(cfg.model))
     return cfg
 
 

@@ -20,13 +20,13 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision.transforms import v2
 
 from .config import TrainConfig, UsageError
+from .names import NUM_CLASSES
 
 CIFAR_FOLDER = "cifar-10-batches-py"
 CIFAR_FILES = {True: [f"data_batch_{i}" for i in range(1, 6)], False: ["test_batch"]}
 CIFAR_SIZES = {True: 50_000, False: 10_000}
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
-NUM_CLASSES = 10
 
 
 def _download_cifar10(root: str) -> None:

@@ -9,17 +9,12 @@ import torchvision
 from torch.utils.checkpoint import checkpoint
 
 from .config import UsageError
-from .data import NUM_CLASSES
-
-
-def classification_models() -> list[str]:
-    return sorted(torchvision.models.list_models(module=torchvision.models))
+from .names import NUM_CLASSES, unknown_model
 
 
 def check_model_name(name: str) -> None:
-    if name not in classification_models():
-        raise UsageError(f"unknown model '{name}'; any torchvision classification model works, "
-                         f"e.g. resnet18, resnet50, mobilenet_v3_small, vit_b_16")
+    if unknown_model(name):
+        raise UsageError(unknown_model(name))
 
 
 def replace_head(model: nn.Module, num_classes: int) -> nn.Module:

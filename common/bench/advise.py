@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from ..config import UsageError
 from ..measure.memory import GIB, STRATEGIES, Setup, predict
-from ..models import classification_models
+from ..names import classification_models
 
 HEADROOM = 0.9  # the prediction leaves out the allocator's cache, workspaces and the CUDA context
 SINGLE = ("single", "half", "amp")

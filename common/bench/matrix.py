@@ -296,14 +296,7 @@ def rounds(runs: list[dict], repeats: int, gpus: int) -> list[dict]:
 
 
 def run_matrix(opts) -> int:
-    if getattr(opts, "launcher", "local") == "slurm":
-        from .slurm import run_slurm
-
-        if getattr(opts, "repeats", 1) != 1 or getattr(opts, "world_sizes", ""):
-            raise UsageError("--repeats and --world-sizes run with the local launcher only (one sbatch job per run "
-                             "has no rounds or world-size sweep yet)")
-
-        return run_slurm(opts)
+    """The matrix on this machine (benchmark.py sends --launcher slurm to common/bench/slurm.py)."""
     gpus, device = hardware()
     only = [s.strip() for s in opts.only.split(",")] if opts.only else None
     repeats = getattr(opts, "repeats", 1)
