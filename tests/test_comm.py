@@ -78,12 +78,14 @@ def ddp_calls_per_step(buckets: int, steps: int, rebuild_in_window: bool) -> flo
 
 
 @pytest.mark.slow
-def test_ddp_calls_per_step_do_not_change_with_log_every(tmp_path):
+@pytest.mark.parametrize("log_every", [0, 1])
+def test_ddp_calls_per_step_do_not_change_with_log_every(tmp_path, log_every):
     """The harness's non-finite check all-reduces at every --log-every step, inside the profiled ones."""
     import torchvision
     from test_guards import ddp_buckets
 
-    r = _measured(tmp_path, "pytorch_DDP.py", "torchrun", log_every=1, timing_warmup_steps=2, train_samples=80)
+    r = _measured(tmp_path, "pytorch_DDP.py", "torchrun", log_every=log_every, timing_warmup_steps=2,
+                  train_samples=80)
     buckets = ddp_buckets(torchvision.models.resnet18(num_classes=10))
     assert float(r["comm_calls_per_step"]) == ddp_calls_per_step(buckets, 3, rebuild_in_window=False) == 5
 
