@@ -319,7 +319,7 @@ def _pipeline(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
                       _fmt(r.pipeline_bubble_pct, 1), _fmt(book, 1),
                       _fmt(r.throughput_img_s, 1)])
     return ["Pipeline bubble: measured idle share of the busiest-idle device vs (p-1)/(m+p-1) for p equal "
-            "stages (measured idle also counts loss, optimizer step and data loading; see README).", ""] + \
+            "stages (measured idle also counts loss, optimizer step and data loading: docs/parallelism.md).", ""] + \
         _table(["run", "strategy", "world", "micro-batches", "bubble %", "textbook %", "img/s"], table)
 
 
@@ -375,7 +375,7 @@ def _comm(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
                       _fmt(r.comm_ms_per_step, 1), _fmt(r.busbw_gbps, 2), _fmt(r.comm_overlap_pct, 0)])
         bars.append((r.label, got, want))
     lines = ["Communication per optimizer step and rank (first --comm-steps steps of the timed window; "
-             f"expected from {params:,} parameters, README \"Communication\")." if params else
+             f"expected from {params:,} parameters, docs/communication.md)." if params else
              "Communication per optimizer step and rank.", ""]
     lines += _table(["run", "strategy", "precision", "world", "MB/step", "expected MB", "measured/expected",
                      "calls/step", "comm ms/step", "busbw GB/s", "overlap %"], table)

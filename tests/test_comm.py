@@ -1,7 +1,7 @@
 """Communication recording (common/measure/comm.py) and world-size scaling (benchmark.py --world-sizes).
 
 On CPU, 2 gloo ranks, resnet18 with the 10-class head, fp32: every strategy's measured bytes per
-step against the volume its algorithm must send (README "Communication")."""
+step against the volume its algorithm must send (docs/communication.md)."""
 import os
 import subprocess
 import sys

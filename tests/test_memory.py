@@ -41,7 +41,7 @@ def check_model_state(row: dict) -> None:
     assert float(row["pred_activation_gib"]) > 0 and float(row["pred_peak_gib"]) >= pred
     if row["device"] == "cpu":
         assert row["pred_error_pct"] == ""  # no peak_allocated_gib to compare with
-    else:  # the prediction leaves out workspaces and allocator rounding: close, not exact (README)
+    else:  # the prediction leaves out workspaces and allocator rounding: close, not exact (docs/memory.md)
         assert abs(float(row["pred_error_pct"])) < 50, row["pred_error_pct"]
 
 

@@ -325,7 +325,7 @@ def run_matrix(opts) -> int:
             continue
         if run["gpu_only"] and not gpus:
             print(f"[{i}/{len(runs)}] {run['name']}: needs a GPU, recorded as skipped")
-            record_missing(run, "skipped", "needs CUDA devices (see README)", opts.results, gpus)
+            record_missing(run, "skipped", "needs CUDA devices (see docs/gpu-first-hour.md)", opts.results, gpus)
             continue
         code, status, lines = execute(run, i, len(runs), gpus, opts.results, opts.log_dir, t0)
         if len(done_rows(opts.results, run, device)) == len(done):

@@ -150,7 +150,7 @@ def run_slurm(opts) -> int:
         if run["gpu_only"] and not opts.gpus_per_node:
             print(f"[{i}/{len(runs)}] {run['name']}: needs GPUs (--gpus-per-node), recorded as skipped")
             if not opts.dry_run:
-                record_missing(run, "skipped", "needs CUDA devices (see README)", opts.results, 0)
+                record_missing(run, "skipped", "needs CUDA devices (see docs/gpu-first-hour.md)", opts.results, 0)
             continue
         path = os.path.join(job_dir, job_file_name(run) + ".sbatch")
         with open(path, "w") as fh:
