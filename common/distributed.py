@@ -163,6 +163,8 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         return tensor
     with torch.profiler.record_function(HARNESS):
         dist.all_reduce(tensor, op=op)
+        if tensor.device.type == "cuda":  # NCCL is asynchronous: its kernel must run inside the range too
+            torch.cuda.current_stream(tensor.device).synchronize()
     return tensor
 
 

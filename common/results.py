@@ -50,9 +50,9 @@ COLUMNS = CONTRACT + [
     "notes",
     "error",
 ]
-# 0.3.0: before the notes and the predicted components
-HISTORY.append([c for c in COLUMNS if c != "notes" and not (c.startswith("pred_") and c.endswith(
-    ("params_gib", "grads_gib", "optimizer_gib", "master_gib", "comm_gib")))])
+_PRED_PARTS = [f"pred_{c}_gib" for c in ("params", "grads", "optimizer", "master", "comm")]
+HISTORY.append([c for c in COLUMNS if c != "notes" and c not in _PRED_PARTS])  # 0.3.0
+HISTORY.append([c for c in COLUMNS if c not in _PRED_PARTS])  # a development header with notes alone
 
 
 def _lock(path: str) -> FileLock:

@@ -9,7 +9,8 @@ Timing (what the CSV's columns mean):
                     closes after the last one; epoch-end work (checkpoint saves, evaluation for
                     --target-accuracy) is paused out of it. throughput_img_s, the memory peaks,
                     utilization and every other instrument of common/measure/ cover this window.
-                    A run with no more steps than the warm-up is timed whole (timed_steps = steps).
+                    A run with no more steps than the warm-up has no warm-up: its window opens at
+                    the first step.
                     In a distributed run the --comm-steps steps after the warm-up are profiled
                     (common/measure/comm.py) and the window opens after them: no instrument sees
                     them, unless the run has no other steps left (then they are the window).
@@ -141,6 +142,8 @@ class TimedWindow:
             self.profiling = first
             for i in first:
                 i.start()
+            for i in self.instruments:  # a resumed process, or no warm-up: the walk in a profiled step
+                i.prelude()
             return
         self.instruments += self.before  # too few steps left to keep them out: inside the window
         self.before = []
@@ -181,7 +184,9 @@ class TimedWindow:
     def _finish_profiling(self) -> None:
         for i in self.profiling:
             i.stop()
-        self.profiled += self.profiling
+        # an epoch that ended before their first step: they start again with the next epoch
+        self.before += [i for i in self.profiling if i.done == 0]
+        self.profiled += [i for i in self.profiling if i.done > 0]
         self.profiling = []
 
     def epoch_end(self) -> None:

@@ -238,7 +238,8 @@ def test_nccl_point_to_point_in_a_coalesced_batch_is_counted_from_its_param_comm
     record_param_comms per op and a shapeless nccl:coalesced. An uncoalesced send has both: once."""
     def comms(name, nelems, t, dtype="Float"):
         e = ev("record_param_comms", t, 5)
-        e.meta = {"Collective name": name, "In msg nelems": nelems, "dtype": dtype}
+        # kineto keeps the strings quoted
+        e.meta = {"Collective name": f'"{name}"', "In msg nelems": nelems, "dtype": f'"{dtype}"'}
         return e
 
     coalesced = [comms("send", 1000, 0), comms("recv", 500, 10, "BFloat16"), ev("nccl:coalesced", 20, 100),

@@ -186,3 +186,10 @@ def test_predicted_peak_at_small_batches(model, batch):
     within 3% here (measured: resnet18 0.141/0.273/1.384 GiB at 1/8/64, resnet50 0.322 at 1)."""
     predicted = predict(Setup(model=model, image_size=224, batch_size=batch, strategy="single")).peak / GIB
     assert predicted == pytest.approx(tracked_peak_gib(model, batch), rel=0.10)
+
+
+def test_accumulated_gradients_are_there_from_the_second_micro_batch_on():
+    one = predict(Setup(model="resnet18", image_size=64, batch_size=8, strategy="ddp", world_size=2, grad_accum=1))
+    two = predict(Setup(model="resnet18", image_size=64, batch_size=16, strategy="ddp", world_size=2, grad_accum=2))
+    assert two.activations == one.activations  # the same micro-batch
+    assert two.backward_peak >= two.activations + two.grads > one.backward_peak

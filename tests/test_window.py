@@ -219,3 +219,30 @@ def test_probe_peaks_cover_the_window_only(fake_gpu):
     fake_gpu.free(3 * gib)
     p.stop()
     assert p.row()["peak_allocated_gib"] == 3.0
+
+
+def test_a_profiler_an_epoch_end_cut_before_its_first_step_starts_again():
+    """The window's opening step ends the epoch: the profiler started there ran no step, so it
+    profiles the next epoch's first steps rather than leaving the comm columns empty."""
+    rec, prof = Recorder(), Profiler()
+    w = TimedWindow(opens_at=2, device=torch.device("cpu"), instruments=[rec, prof], total_steps=8)
+    w.epoch_start(0)
+    w.after_step(1)
+    w.after_step(2)  # warm-up done at the epoch's last step: the profiler starts
+    w.epoch_end()
+    assert prof.done == 0 and prof in w.before and rec.events == []
+    w.epoch_start(2)
+    w.after_step(3)
+    w.after_step(4)
+    assert prof.done == 2 and rec.events == ["start"]
+
+
+def test_the_model_state_walk_runs_in_a_profiled_step_when_there_is_no_warm_up():
+    class Armed(Recorder):
+        def prelude(self):
+            self.events.append("prelude")
+
+    rec, prof = Armed(), Profiler()
+    w = TimedWindow(opens_at=0, device=torch.device("cpu"), instruments=[rec, prof], total_steps=8)
+    w.epoch_start(0)
+    assert rec.events == ["prelude"]  # armed with the profiler, before any timed step

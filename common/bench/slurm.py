@@ -64,7 +64,7 @@ def sbatch_text(run: dict, opts, results: str, log_dir: str) -> str:
     sbatch += [f"--gpus-per-node={per_node if s.distributed else opts.gpus_per_node}"] if opts.gpus_per_node else []
     sbatch += [f"--partition={opts.partition}"] if opts.partition else []
     sbatch += [f"--account={opts.account}"] if opts.account else []
-    if not any(a.startswith(("--cpus-per-task", "-c")) for a in opts.sbatch_arg or []):
+    if not any(a.startswith(("--cpus-per-task", "-c", "--cpus-per-gpu", "--exclusive")) for a in opts.sbatch_arg or []):
         # every rank and its loader workers a core of their own (torchrun's agent shares): without it a
         # site with no per-GPU CPU default gives the node's one task a single core
         workers = values.get("workers", TrainConfig.workers)

@@ -1,5 +1,6 @@
-"""What each rank sends: every collective of the first `comm_steps` optimizer steps of the timed
-window, recorded with torch.profiler, and the volume each strategy is expected to send.
+"""What each rank sends: every collective of the `comm_steps` optimizer steps right after the warm-up
+(before the timed window opens), recorded with torch.profiler, and the volume each strategy is
+expected to send.
 
 Source of truth: the backend's own work events, `gloo:<op>` / `nccl:<op>` (ProcessGroupGloo and
 ProcessGroupNCCL record them with the op's input tensors, so shapes and dtypes come with them). The
@@ -123,11 +124,13 @@ def _gather_groups(events) -> dict[tuple, list[int]]:
 
 
 def _meta(e) -> dict:
-    """A kineto event's metadata (record_param_comms: Collective name, dtype, In msg nelems, ...)."""
+    """A kineto event's metadata (record_param_comms: Collective name, dtype, In msg nelems, ...), its
+    string values unquoted: kineto keeps them as '"send"' (torch/autograd/profiler_util.py _to_str)."""
     try:
-        return e.extra_meta() or {}
+        meta = e.extra_meta() or {}
     except (AttributeError, RuntimeError):
         return {}
+    return {k: v.strip('"') if isinstance(v, str) else v for k, v in meta.items()}
 
 
 def analyze(events, n: int, steps: int) -> dict:
@@ -136,7 +139,8 @@ def analyze(events, n: int, steps: int) -> dict:
     FunctionEvents from; FunctionEvent drops the dtypes)."""
     calls, bus_bytes, payload = 0, 0.0, 0
     cpu_comm, threads, gpu_comm, gpu_compute, cpu_ops = [], set(), [], [], []
-    # the harness waits for its collectives inside its range: one that starts there is the harness's
+    # the harness waits for its collectives inside its range (on CUDA it synchronizes there): a
+    # collective, or an NCCL kernel, that starts inside one is the harness's
     harness = _union([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == HARNESS])
     starts = [a for a, _ in harness]
     gathers = _gather_groups(events)
@@ -218,6 +222,8 @@ class CommRecorder(Instrument):
 
     def stop(self) -> None:
         self.pause()
+        if self.done == 0:  # the epoch ended before a profiled step: nothing recorded, ready to start again
+            self.events = None
 
     def _finish(self) -> None:
         synchronize(self.device)

@@ -122,7 +122,8 @@ def train_flops_per_image(model: str, image_size: int, batch: int = 2) -> float:
 GEMM_SIZES = (256, 512, 1024, 2048, 4096)
 
 
-def cpu_gemm_tflops(dtype: torch.dtype = torch.float32, budget_s: float = 0.3) -> float:
+def cpu_gemm_tflops(dtype: torch.dtype = torch.float32, budget_s: float = 0.3,
+                    agree: Callable[[bool], bool] = lambda stop: stop) -> float:
     """This process's best matmul rate on CPU, TFLOP/s: n x n torch.mm in `dtype` with
     torch.get_num_threads() threads, each size warmed up once and then timed best-of-3 or more,
     over the sizes of GEMM_SIZES until budget_s is spent, the best size kept (one size is not the
@@ -145,7 +146,8 @@ def cpu_gemm_tflops(dtype: torch.dtype = torch.float32, budget_s: float = 0.3) -
         best_rate = max(best_rate, 2 * n ** 3 / best / 1e12)
         # past the budget, or the next size's 4 calls at the best rate yet would overrun it by far
         # (reference bf16 kernels: 3 GFLOP/s, 3 s for a 1024 GEMM's warm-up and 3 repetitions)
-        if time.perf_counter() - start > budget_s or 4 * 16 * n ** 3 / (best_rate * 1e12) > 3 * budget_s:
+        # `agree`: ranks sharing cores stop together (any rank's stop), so that none probes a size alone
+        if agree(time.perf_counter() - start > budget_s or 4 * 16 * n ** 3 / (best_rate * 1e12) > 3 * budget_s):
             break
     return best_rate
 
@@ -175,7 +177,8 @@ class Flops(Instrument):
             self.peak = None if None in peaks else sum(peaks)
         else:
             barrier()
-            self.peak = cpu_gemm_tflops(DTYPES[precision])
+            self.peak = cpu_gemm_tflops(DTYPES[precision], agree=lambda stop: bool(
+                reduce_metrics({"stop": float(stop)}, run_device, "max")["stop"]))
 
     def row(self) -> dict:
         # a rank whose device is not in the table makes the whole run's peak unknown, not smaller

@@ -96,6 +96,8 @@ class Prediction:
         along backward_curve (the activations scaled to this setup's: precision, autocast copies,
         checkpointing); max(activations, grads) where the walk is not available."""
         curve = self.curve or ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0))
+        if self.setup.grad_accum > 1:  # from the second micro-batch on, every gradient is already there
+            curve = [(a, 1.0, f) for a, _, f in curve]
         return max(a * self.activations + g * self.grads + f for a, g, f in curve)
 
     @property
