@@ -119,3 +119,19 @@ def test_dry_run_writes_job_files_that_bash_accepts(tmp_path):
     assert "--save-dir /ck" in (tmp_path / "slurm" / "smoke__pytorch_SingleGPU.sbatch").read_text()  # no template
     assert "slurm/accelerate.sbatch config/default_DDP.yml accelerate_DDP.py" in \
         (tmp_path / "slurm" / "smoke__accelerate_DDP.sbatch").read_text()
+
+
+def test_cores_asked_are_capped_at_the_partitions_smallest_node(monkeypatch, tmp_path):
+    """4 loader workers + the rank = 5 cores, on nodes of 1 core: a job asking 5 would pend forever."""
+    from types import SimpleNamespace
+
+    from common.bench import slurm
+
+    opts = SimpleNamespace(nodes=2, gpus_per_node=0, time="", partition="", account="", sbatch_arg=[])
+    run = {"name": "p/ddp", "script": "pytorch_DDP.py", "args": {"workers": 4}, "timeout_s": 60, "nproc": 2}
+    monkeypatch.setattr(slurm, "node_cpus", lambda partition: 1)
+    assert "#SBATCH --cpus-per-task=1" in slurm.sbatch_text(run, opts, str(tmp_path / "s.csv"), str(tmp_path))
+    monkeypatch.setattr(slurm, "node_cpus", lambda partition: None)  # Slurm not reachable: what the run needs
+    assert "#SBATCH --cpus-per-task=5" in slurm.sbatch_text(run, opts, str(tmp_path / "s.csv"), str(tmp_path))
+    opts.sbatch_arg = ["--cpus-per-gpu=2"]
+    assert "--cpus-per-task" not in slurm.sbatch_text(run, opts, str(tmp_path / "s.csv"), str(tmp_path))

@@ -8,6 +8,7 @@ gets one here, from record_missing.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -48,6 +49,21 @@ def layout(run: dict, nodes: int, gpus_per_node: int) -> tuple[int, int]:
     return nodes, per_node
 
 
+@functools.lru_cache(maxsize=8)
+def node_cpus(partition: str) -> int | None:
+    """The fewest CPUs a node of the partition has (sinfo's %c), None where Slurm cannot be asked (a
+    dry run on a machine without it): a job asking more than any node has pends forever."""
+    if not shutil.which("sinfo"):
+        return None
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%c", *(["-p", partition] if partition else [])],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    counts = [int(c) for c in re.findall(r"\d+", out)]
+    return min(counts) if counts else None
+
+
 def sbatch_text(run: dict, opts, results: str, log_dir: str) -> str:
     s = BY_FILE[run["script"]]
     nodes, per_node = layout(run, opts.nodes, opts.gpus_per_node)
@@ -68,7 +84,8 @@ def sbatch_text(run: dict, opts, results: str, log_dir: str) -> str:
         # every rank and its loader workers a core of their own (torchrun's agent shares): without it a
         # site with no per-GPU CPU default gives the node's one task a single core
         workers = values.get("workers", TrainConfig.workers)
-        sbatch += [f"--cpus-per-task={(per_node if s.distributed else 1) * (int(workers) + 1)}"]
+        want, cap = (per_node if s.distributed else 1) * (int(workers) + 1), node_cpus(opts.partition or "")
+        sbatch += [f"--cpus-per-task={want if cap is None else max(1, min(want, cap))}"]
     sbatch += list(opts.sbatch_arg or [])
     if not s.distributed:
         launch = f"srun \"$PYTHON\" {s.file} {args}"
