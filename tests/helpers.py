@@ -92,3 +92,19 @@ def pp_bytes_per_step(model: str, image_size: int, batch: int, pieces: int = 2, 
     act = first(torch.empty(batch, 3, image_size, image_size, device="meta"))
     return 2 * act.numel() * act.element_size()
 
+
+
+def spawn_ranks(target, world: int = 2) -> dict:
+    """A real gloo group of `world` spawned processes in-test: target(rank, world, port, queue) puts
+    (rank, result) on the queue; returns {rank: result}."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    return results

@@ -6,19 +6,20 @@ metric helpers are given the "meta" device, the stand-in for a device whose tens
 the CPU: they must complete under that group, and the same call on the CPU device must fail (so
 the group really is strict). A source scan keeps every collective of common/ inside these helpers.
 """
-import multiprocessing as mp
+import functools
 import os
 import re
 
 import pytest
 import torch
+from helpers import spawn_ranks
 
-from common.distributed import claim_failure_row, free_port, reduce_metrics, restart_pending
+from common.distributed import claim_failure_row, reduce_metrics, restart_pending
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _worker(rank, world, port, spec, queue):
+def _worker(rank, world, port, queue, spec):
     import torch.distributed as dist
 
     from common.measure.probes import Probes
@@ -46,15 +47,7 @@ def _worker(rank, world, port, spec, queue):
 
 
 def run_group(spec: str, world: int = 2) -> dict:
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, spec, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
-    return results
+    return spawn_ranks(functools.partial(_worker, spec=spec), world)
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +132,6 @@ def test_evaluation_scores_rank_zeros_statistics_on_every_rank():
     """Each rank scores its shard of the test set: with per-rank BatchNorm statistics (FSDP2 and
     DeepSpeed do not broadcast buffers as DDP does) the accuracy would mix models, none of them the
     saved one (rank 0's). run_eval gives every rank rank 0's buffers first."""
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_eval_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
+    got = spawn_ranks(_eval_worker)
     for rank in (0, 1):
         assert got[rank] == {"mean": [1.0] * 4, "var": [2.0] * 4, "n": 10}, got

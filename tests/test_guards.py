@@ -1,11 +1,10 @@
 """Known inputs with known answers for the places where a planted bug once survived the suite
 (issue 27): each test here goes red on its bug every time, without a launch or a race."""
-import multiprocessing as mp
 
 import pytest
 import torch
+from helpers import spawn_ranks
 
-from common.distributed import free_port
 from common.measure import stats
 from common.measure.steptime import StepTimes
 
@@ -53,15 +52,7 @@ def _rank(rank, world, port, queue):
 def test_per_rank_figures_are_the_max_over_ranks():
     """Ranks holding different amounts (a pipeline's stages do): every rank's row, rank 0's that is
     written included, takes the largest, which here is rank 1's."""
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
-    for row in out.values():
+    for row in spawn_ranks(_rank).values():
         assert "error" not in row, row
         assert row["model_state_gib"] == 3.0
         assert row["step_ms_p50"] == 20.0 == row["step_ms_p90"]
