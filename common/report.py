@@ -211,11 +211,12 @@ def _memory_setup(r):
                                                                                                    r.strategy)
     if strategy not in STRATEGIES or math.isnan(r.world_size):
         return None
-    precision = str(r.precision).rsplit("_", 1)[-1]
+    # the label: [amp_|pure_|mp_|ds_]<fp16|bf16>[+bn32][+ls<scale>] (pytorch_half_precision.py adds the suffixes)
+    precision, *suffixes = str(r.precision).rsplit("_", 1)[-1].split("+")
     return Setup(model=r.model, image_size=int(r.image_size), batch_size=int(r.global_batch_size),
                  world_size=int(r.world_size), precision=precision if precision in ("fp16", "bf16") else "fp32",
                  optimizer=r.optimizer or "sgd", strategy=strategy, grad_accum=int(float(r.grad_accum or 1)),
-                 grad_checkpointing=str(r.grad_checkpointing) == "True",
+                 grad_checkpointing=str(r.grad_checkpointing) == "True", bn_fp32="bn32" in suffixes,
                  zero={"reduce_bucket_size": 50_000_000, "overlap_comm": True, "contiguous_gradients": True})
 
 

@@ -1,5 +1,5 @@
 """pytest set-up: the project root on sys.path, and the suite's promise to leave the checkout as it found
-it. Helpers live in tests/helpers.py."""
+it. Helpers live in tests/helpers.py, the shared launches in tests/launches.py."""
 import os
 import sys
 
@@ -9,6 +9,8 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)
 sys.path.insert(0, ROOT)
+
+from launches import launched  # noqa: E402,F401  the session's shared end-to-end runs (tests/launches.py)
 
 # caches and environments, not the project's files
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".ruff_cache", ".pytest_cache", ".mypy_cache"}

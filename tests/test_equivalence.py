@@ -1,11 +1,12 @@
-"""DDP (2 ranks x B/2), DDP+ZeRO and FSDP must train exactly like one process with batch B.
+"""DDP (2 ranks x B/2), DDP+ZeRO, FSDP, DeepSpeed and the same through accelerate must train exactly like
+one process with batch B. The runs are the shared fp32 launches of tests/launches.py.
 
 BatchNorm: with --freeze-bn every BN layer runs in eval mode (fixed running statistics), so the
 loss of a batch no longer depends on how it is split over ranks; augmentation is off so both
 runs see the same pixels. DistributedSampler with one permutation per seed gives rank r the
 samples P[r::2]: the union of the two ranks' micro-batches at step k is the single process's batch k.
 What remains is float summation order (one sum over B vs an all-reduce of two sums over B/2):
-about 1e-7 relative per operation. TOLERANCE allows 1e-4 absolute on weights after 6 SGD steps
+about 1e-7 relative per operation. TOLERANCE allows 1e-4 absolute on weights after 4 SGD steps
 at lr 0.05; a wrong gradient average (sum instead of mean, a missed all-reduce) moves weights by
 about lr x |grad| ~ 1e-2, a hundred times more, so the test still catches it.
 
@@ -19,48 +20,37 @@ gradients by 4: the gradient of the batch mean, up to summation order.
 """
 import pytest
 import torch
-from helpers import check_ok, rows, run, tiny_args
+from helpers import check_ok
 
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 1e-4
 
-
-def final(tmp_path, script):
-    return torch.load(tmp_path / "ckpt" / script[:-3] / "model_final.pt", map_location="cpu", weights_only=True)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("single")
-    check_ok(run("pytorch_SingleGPU.py", args(tmp_path)))
-    return final(tmp_path, "pytorch_SingleGPU.py"), float(rows(tmp_path / "summary.csv")[0]["train_loss"])
+# the shared fp32 runs (tests/launches.py: no augmentation, --freeze-bn, no warm-up), and two variants
+SAME = ["pytorch_DDP-fp32", "pytorch_DDP_ZeRO-fp32", "pytorch_FSDP-fp32", "pytorch_DeepSpeed-fp32",
+        "pytorch_DDP-fp32-accum2", "pytorch_PP-fp32", "pytorch_PP-fp32-1f1b", "pytorch_MP-fp32",
+        "accelerate_DDP-fp32", "accelerate_DeepSpeed-fp32"]
 
 
-def args(tmp_path):
-    return tiny_args(tmp_path, train_samples=96, batch_size=16, augment=False, freeze_bn=True, warmup_steps=0)
+def final(result):
+    check_ok(result.proc)
+    return torch.load(result.final(), map_location="cpu", weights_only=True)
 
 
-PP = ["--microbatches", "4"]
-
-
-@pytest.mark.parametrize("script, extra", [
-    ("pytorch_DDP.py", []), ("pytorch_DDP_ZeRO.py", []), ("pytorch_FSDP.py", []), ("pytorch_DeepSpeed.py", []),
-    # 2 ranks x 2 accumulated micro-batches of 4: the loss of each micro-batch must be divided by 2
-    # before backward, else the summed gradient is twice the one-process gradient
-    ("pytorch_DDP.py", ["--grad-accum", "2"]),
-    ("pytorch_PP.py", PP + ["--schedule", "gpipe"]), ("pytorch_PP.py", PP + ["--schedule", "1f1b", "--split", "2,2"]),
-    ("pytorch_MP.py", []),
-], ids=["ddp", "ddp_zero", "fsdp", "deepspeed", "ddp_grad_accum", "pp_gpipe", "pp_1f1b", "mp"])
-def test_same_weights_as_one_process(tmp_path, reference, script, extra):
-    ref_sd, ref_loss = reference
-    nproc = 1 if script == "pytorch_MP.py" else 2
-    check_ok(run(script, args(tmp_path) + extra, nproc=nproc, launcher="python" if nproc == 1 else "torchrun"))
-    sd = final(tmp_path, script)
+@pytest.mark.parametrize("name", SAME)
+def test_same_weights_as_one_process(launched, name):
+    """DeepSpeed and accelerate's DeepSpeed run ZeRO-3 (their fp32 JSON); the pipelines cut each batch
+    into 4 micro-batches (GPipe; 1F1B with ResNet's stages split 2,2); grad-accum: 2 ranks x 2
+    accumulated micro-batches of 4, each micro-batch's loss divided by 2 before backward (else the
+    summed gradient is twice the one-process gradient)."""
+    one = launched("pytorch_SingleGPU-fp32")
+    ref_sd, ref_loss = final(one), float(one.row["train_loss"])
+    r = launched(name)
+    sd = final(r)
     diff = max((sd[k].float() - ref_sd[k].float()).abs().max().item() for k in ref_sd)
     moved = max((ref_sd[k].float() - final_init(k, ref_sd)).abs().max().item() for k in ("fc.weight",))
-    loss = float(rows(tmp_path / "summary.csv")[0]["train_loss"])
-    print(f"{script}: max |w - w_single| = {diff:.2e}, |loss - loss_single| = {abs(loss - ref_loss):.2e}")
+    loss = float(r.row["train_loss"])
+    print(f"{name}: max |w - w_single| = {diff:.2e}, |loss - loss_single| = {abs(loss - ref_loss):.2e}")
     assert moved > 100 * TOLERANCE  # training really changed the weights
     assert diff < TOLERANCE
     assert abs(loss - ref_loss) < 1e-4

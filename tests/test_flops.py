@@ -4,7 +4,6 @@ import time
 import pytest
 import torch
 import torchvision
-from helpers import check_ok, rows, run, tiny_args
 
 from common.measure import flops as flops_mod
 from common.measure.energy import rapl_zones
@@ -72,9 +71,8 @@ def test_flop_count_leaves_the_rng_alone():
 
 
 @pytest.mark.slow
-def test_cpu_row_has_mfu_step_times_and_energy_where_readable(tmp_path):
-    check_ok(run("pytorch_SingleGPU.py", tiny_args(tmp_path)))
-    (row,) = rows(tmp_path / "summary.csv")
+def test_cpu_row_has_mfu_step_times_and_energy_where_readable(launched):
+    row = launched("pytorch_SingleGPU-fp32").row
     f = {k: float(row[k]) for k in ("train_gflop_per_img", "achieved_tflops", "peak_tflops", "mfu",
                                     "throughput_img_s", "step_ms_p50", "step_ms_p90")}
     assert f["train_gflop_per_img"] == pytest.approx(train_flops_per_image("resnet18", 32) / 1e9, rel=1e-3)

@@ -5,13 +5,12 @@ other kernels, which changes rounding at ~1e-6 relative per op. Through ResNet18
 logits (magnitude ~1-10) move by ~1e-5; MAX_DIFF = 1e-3 leaves two orders of margin while a
 wrong export (missing normalization, wrong layout, dropped layer) moves them by > 0.1.
 """
-import shutil
 import types
 
 import pytest
 import torch
 import torchvision
-from helpers import check_ok, one_line_error, rows, run, tiny_args
+from helpers import check_ok, one_line_error, rows, run
 
 MAX_DIFF = 1e-3
 INFER = ["--device", "cpu", "--dataset", "synthetic", "--model", "resnet18", "--image-size", "32",
@@ -19,14 +18,22 @@ INFER = ["--device", "cpu", "--dataset", "synthetic", "--model", "resnet18", "--
          "--batch-size", "16", "--warmup-iters", "1"]
 
 
+TRAINED = ["pytorch_SingleGPU-fp32", "pytorch_DDP-fp32", "pytorch_FSDP-fp32", "pytorch_DeepSpeed-fp32"]
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("train")
-    check_ok(run("pytorch_SingleGPU.py", tiny_args(tmp)))
-    for script in ("pytorch_DDP.py", "pytorch_FSDP.py", "pytorch_DeepSpeed.py"):
-        check_ok(run(script, tiny_args(tmp), nproc=2, launcher="torchrun"))
-    yield tmp, {r["script"]: float(r["test_accuracy"]) for r in rows(tmp / "summary.csv")}
-    shutil.rmtree(tmp, ignore_errors=True)  # four runs' checkpoints, ~0.7 GB: not kept to the session's end
+def trained(launched, tmp_path_factory):
+    """The shared fp32 runs of one process, DDP, FSDP and DeepSpeed (ZeRO-3): their model_final.pt linked
+    under one folder, as checkpoints/ holds them, and each run's accuracy."""
+    tmp = tmp_path_factory.mktemp("trained")
+    accuracy = {}
+    for name in TRAINED:
+        r = launched(name)
+        check_ok(r.proc)
+        (tmp / "ckpt" / r.launch.script[:-3]).mkdir(parents=True)
+        (tmp / "ckpt" / r.launch.script[:-3] / "model_final.pt").symlink_to(r.final())
+        accuracy[r.launch.script] = float(r.row["test_accuracy"])
+    return tmp, accuracy
 
 
 @pytest.mark.slow

@@ -128,6 +128,29 @@ def test_sharding_divides_what_it_should():
     assert fsdp.activations == ddp.activations and ddp.activations < predict(Setup(**base)).activations
 
 
+def test_pure_half_keeps_batchnorm_in_fp32_when_asked():
+    """pytorch_half_precision.py --bn-fp32: BatchNorm's weights (and so their gradients and momentum)
+    stay fp32, 6 more bytes per BatchNorm parameter under SGD; the report reads it from the label."""
+    import pandas as pd
+    import torchvision
+
+    from common.measure.memory import norm_numel
+    from common.report import _memory_setup
+
+    model = torchvision.models.shufflenet_v2_x0_5(num_classes=10)
+    n = sum(p.numel() for p in model.parameters())
+    bn = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d) for p in m.parameters())
+    assert norm_numel("shufflenet_v2_x0_5") == bn > 0
+    base = dict(model="shufflenet_v2_x0_5", image_size=32, batch_size=16, precision="bf16", strategy="half")
+    plain, kept = predict(Setup(**base)), predict(Setup(**base, bn_fp32=True))
+    assert plain.params == 2 * n and kept.params == kept.grads == 2 * (n - bn) + 4 * bn
+    assert kept.model_state - plain.model_state == 6 * bn
+    row = pd.Series({"script": "pytorch_half_precision.py", "strategy": "single", "world_size": 1.0,
+                     "precision": "pure_bf16+bn32+ls128", "model": "shufflenet_v2_x0_5", "image_size": 32,
+                     "global_batch_size": 16, "optimizer": "sgd", "grad_accum": 1, "grad_checkpointing": False})
+    assert _memory_setup(row) == Setup(**base, bn_fp32=True, zero=_memory_setup(row).zero)
+
+
 def advise(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "benchmark.py", "advise", *args], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=120)

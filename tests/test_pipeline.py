@@ -65,14 +65,14 @@ def test_interleaved_pipeline_and_resume(tmp_path):
     every rank reloads its own stages, nothing is trained, the weights are unchanged."""
     args = tiny_args(tmp_path, schedule="interleaved-1f1b", microbatches=4)
     check_ok(run("pytorch_PP.py", args, nproc=2, launcher="torchrun"))
-    first = load_bare(tmp_path, "pytorch_PP.py")
+    first = load_bare(tmp_path / "ckpt" / "pytorch_PP" / "model_final.pt")
     check_ok(run("pytorch_PP.py", args + ["--resume", "auto"], nproc=2, launcher="torchrun"))
     a, b = rows(tmp_path / "summary.csv")
     assert a["strategy"] == b["strategy"] == "pp_interleaved_1f1b" and a["microbatches"] == "4"
     assert a["resumed"] == "False" and b["resumed"] == "True" and a["train_loss"] == b["train_loss"]
     assert int(b["test_samples"]) == 37 and a["test_accuracy"] == b["test_accuracy"]
     assert 0 <= float(a["pipeline_bubble_pct"]) <= 100
-    again = load_bare(tmp_path, "pytorch_PP.py")
+    again = load_bare(tmp_path / "ckpt" / "pytorch_PP" / "model_final.pt")
     assert all(torch.equal(first[k], again[k]) for k in first)
 
 

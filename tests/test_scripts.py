@@ -16,25 +16,14 @@ from common.results import COLUMNS
 
 pytestmark = pytest.mark.slow
 
-DS_JSONS = ["config/zero_stage1_config.json", "config/zero_stage2_config.json", "config/zero_stage3_config.json"]
-# the DeepSpeed scripts: every shipped JSON through each, every precision on some JSON
-DS_CASES = {"pytorch_DeepSpeed.py": [("fp16", DS_JSONS[0]), ("bf16", DS_JSONS[1]), ("fp32", DS_JSONS[2])],
-            "accelerate_DeepSpeed.py": [("bf16", DS_JSONS[0]), ("fp16", DS_JSONS[1]), ("fp32", DS_JSONS[2])]}
 # CPU cannot run these; each refuses in one line instead (the row would otherwise lie)
 REFUSED = {("accelerate_DDP.py", "fp16"): "would silently train in fp32",
            ("accelerate_FSDP.py", "fp32"): "needs CUDA devices", ("accelerate_FSDP.py", "fp16"): "needs CUDA devices",
            ("accelerate_FSDP.py", "bf16"): "needs CUDA devices"}
-EXTRA = {("pytorch_auto_mixed_precision.py", "fp16"): {"clip_grad_norm": 1.0},
-         ("pytorch_half_precision.py", "bf16"): {"bn_fp32": True, "loss_scale": 128}}
+
 
 def cases():
-    out = []
-    for s in SCRIPTS:
-        for precision in s.precisions:
-            ds = dict(DS_CASES.get(s.file, []))
-            extra = {**EXTRA.get((s.file, precision), {}), **({"deepspeed_config": ds[precision]} if ds else {})}
-            out.append(pytest.param(s, precision, extra, id=f"{s.name}-{precision}"))
-    return out
+    return [pytest.param(s, p, id=f"{s.name}-{p}") for s in SCRIPTS for p in s.precisions]
 
 
 def check_row(row, script, world, precision):
@@ -54,38 +43,25 @@ def check_row(row, script, world, precision):
     check_model_state(row)  # measured model state within 1% (5% DeepSpeed, accelerate) of the prediction
 
 
-def load_bare(tmp_path, script):
-    sd = torch.load(tmp_path / "ckpt" / script[:-3] / "model_final.pt", map_location="cpu", weights_only=True)
-    torchvision.models.resnet18(num_classes=10).load_state_dict(sd)  # strict: no prefixes, nothing missing
+def load_bare(final, model="resnet18"):
+    sd = torch.load(final, map_location="cpu", weights_only=True)
+    getattr(torchvision.models, model)(num_classes=10).load_state_dict(sd)  # strict: no prefixes, nothing missing
     assert all(v.dtype == torch.float32 for v in sd.values() if v.is_floating_point())
     return sd
 
 
-def deepspeed_fp16_here() -> bool:
-    """DeepSpeed's CPU accelerator rule (deepspeed/accelerator/cpu_accelerator.py is_fp16_supported)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    except Exception:
-        return False
-
-
-@pytest.mark.parametrize("entry, precision, extra", cases())
-def test_every_script_and_precision(tmp_path, entry, precision, extra):
-    args = tiny_args(tmp_path, precision=precision, **half_size(precision), **extra)
-    nproc = 2 if entry.distributed else 1
-    script = entry.file
-    if entry.deepspeed_config and precision == "fp16" and not deepspeed_fp16_here():
-        # DeepSpeed refuses fp16 on this CPU (test_deepspeed_refuses_a_dtype_its_accelerator_lacks);
-        # the twin lifts the refusal so that the engine's fp16 path still runs here
-        script, args = "tests/twins/deepspeed_fp16_on_cpu.py", [entry.file] + args
-    proc = run(script, args, nproc=nproc, launcher="torchrun" if entry.distributed else "python")
+@pytest.mark.parametrize("entry, precision", cases())
+def test_every_script_and_precision(launched, entry, precision):
+    r = launched(f"{entry.name}-{precision}")
     if (entry.file, precision) in REFUSED:
-        assert proc.returncode != 0 and REFUSED[entry.file, precision] in proc.stderr, proc.stderr[-2000:]
-        assert rows(tmp_path / "summary.csv") == []
+        assert r.proc.returncode != 0 and REFUSED[entry.file, precision] in r.proc.stderr, r.proc.stderr[-2000:]
+        assert r.rows == []
         return
-    check_ok(proc)
-    (row,) = rows(tmp_path / "summary.csv")
-    check_row(row, entry.file, nproc, precision)
+    check_ok(r.proc)
+    row, extra = r.row, dict(r.launch.over)
+    assert row["model"] == extra.get("model", "resnet18")
+    check_row(row, entry.file, r.launch.nproc, precision)
+    assert r.resume_saved  # the epoch checkpoint of --resume was written (deleted since: disk)
     if "deepspeed_config" in extra:
         assert row["strategy"].endswith(f"zero{extra['deepspeed_config'][-13]}")  # ..._stageN_config.json
         assert row["deepspeed_version"]
@@ -98,19 +74,17 @@ def test_every_script_and_precision(tmp_path, entry, precision, extra):
         assert float(row["comm_bytes_per_step"]) == pp_bytes_per_step("resnet18", 32, 16), row["comm_bytes_per_step"]
     if precision == "fp16" and entry.file != "pytorch_half_precision.py":
         assert row["skipped_steps"] != ""  # a GradScaler (or DeepSpeed's loss scaler) ran and was counted
-    load_bare(tmp_path, entry.file)
+    load_bare(r.final(), row["model"])
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_accelerate_fsdp_cpu_twin(tmp_path, precision):
+def test_accelerate_fsdp_cpu_twin(launched, precision):
     """accelerate's own FSDP2 path (prepare of model and optimizer together, the wrap policy from the
     model's block class, mixed precision with BatchNorm statistics in fp32), forced on over gloo."""
-    proc = run("tests/twins/accelerate_fsdp_on_cpu.py", tiny_args(tmp_path, precision=precision, clip_grad_norm=1.0),
-               nproc=2, launcher="torchrun")
-    check_ok(proc)
-    (row,) = rows(tmp_path / "summary.csv")
-    check_row(row, "accelerate_FSDP.py", 2, precision)
-    load_bare(tmp_path, "accelerate_FSDP.py")
+    r = launched(f"accelerate_FSDP-twin-{precision}")
+    check_ok(r.proc)
+    check_row(r.row, "accelerate_FSDP.py", 2, precision)
+    load_bare(r.final(), r.row["model"])
 
 
 def test_deepspeed_refuses_a_dtype_its_accelerator_lacks(tmp_path, monkeypatch):
@@ -133,10 +107,10 @@ def test_deepspeed_refuses_a_dtype_its_accelerator_lacks(tmp_path, monkeypatch):
     assert resolve("fp16") == "fp16"
 
 
-def test_deepspeed_launcher(tmp_path):
-    check_ok(run("pytorch_DeepSpeed.py", tiny_args(tmp_path), nproc=2, launcher="deepspeed", timeout=400))
-    (row,) = rows(tmp_path / "summary.csv")
-    check_row(row, "pytorch_DeepSpeed.py", 2, "fp32")
+def test_deepspeed_launcher(launched):
+    r = launched("pytorch_DeepSpeed-launcher")
+    check_ok(r.proc)
+    check_row(r.row, "pytorch_DeepSpeed.py", 2, "fp32")
 
 
 @pytest.mark.parametrize("content, words", [
@@ -174,7 +148,7 @@ def test_deepspeed_without_zero_writes_the_final_weights(tmp_path):
     check_ok(run("pytorch_DeepSpeed.py", tiny_args(tmp_path, deepspeed_config=str(path)), nproc=2, launcher="torchrun"))
     (row,) = rows(tmp_path / "summary.csv")
     assert row["status"] == "ok" and row["strategy"] == "deepspeed_zero0", row
-    load_bare(tmp_path, "pytorch_DeepSpeed.py")
+    load_bare(tmp_path / "ckpt" / "pytorch_DeepSpeed" / "model_final.pt")
 
 
 def test_deepspeed_refuses_flags_it_does_not_use(tmp_path):

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, clean_env, rows, tiny_args
+from helpers import ROOT, TINY, clean_env, rows, tiny_args
 from slurm_cluster import Cluster, ClusterError, missing_tools
 
 from common.distributed import free_port
@@ -56,9 +56,14 @@ def test_ddp_through_the_torchrun_template_on_two_nodes(cluster, tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
-    results = tmp_path / "summary.csv"
-    proc = benchmark(cluster, tmp_path, "--preset", "smoke", "--only", "pytorch_DDP.py,pytorch_DeepSpeed.py",
-                     "--launcher", "slurm", "--nodes", "2")
+    """The smoke preset's two scripts of torchrun and deepspeed, cut to TINY's 4 steps (the job files and
+    their launchers are the subject, not the training)."""
+    results, matrix = tmp_path / "summary.csv", tmp_path / "m.yaml"
+    args = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in TINY.items()
+                     if k != "device")
+    matrix.write_text(f"presets:\n  smoke:\n    timeout_s: 300\n    args: {{{args}}}\n    scripts: all\n")
+    proc = benchmark(cluster, tmp_path, "--preset", "smoke", "--matrix", str(matrix), "--only",
+                     "pytorch_DDP.py,pytorch_DeepSpeed.py", "--launcher", "slurm", "--nodes", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = {r["script"]: r for r in rows(results)}
     assert sorted(got) == ["pytorch_DDP.py", "pytorch_DeepSpeed.py"], rows(results)

@@ -65,6 +65,7 @@ class Setup:
     grad_checkpointing: bool = False
     channels_last: bool = False
     local_world_size: int = 0  # fsdp_hybrid: ranks per node (shard group); 0 = world_size
+    bn_fp32: bool = False  # pure half (pytorch_half_precision.py --bn-fp32): BatchNorm parameters stay fp32
     zero: dict = field(default_factory=dict)  # DeepSpeed's zero_optimization section (bucket sizes)
 
     @property
@@ -130,6 +131,13 @@ def model_facts(name: str) -> tuple[list[torch.Size], list[list[torch.Size]], in
     model = meta_model(name)
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
     return [p.shape for p in model.parameters()], fsdp_units(model), matmul
+
+
+@functools.lru_cache(maxsize=8)
+def norm_numel(name: str) -> int:
+    """Elements of a model's BatchNorm weights and biases."""
+    return sum(p.numel() for m in meta_model(name).modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+               for p in m.parameters())
 
 
 def fsdp_units(model: nn.Module) -> list[list[torch.Size]]:
@@ -367,8 +375,10 @@ def predict(s: Setup) -> Prediction:
         p.params = p.grads = 4 * n
         p.optimizer = 4 * slots * n + _step_bytes(s, tensors)
     if strat == "half":  # pytorch_half_precision.py: model.to(half); SGD/AdamW state follows the param dtype
-        p.params = p.grads = half * n
-        p.optimizer = half * slots * n + _step_bytes(s, tensors)
+        bn = norm_numel(s.model) if s.bn_fp32 else 0  # --bn-fp32: those weights, their grads and state in fp32
+        per_slot = half * (n - bn) + 4 * bn
+        p.params = p.grads = per_slot
+        p.optimizer = slots * per_slot + _step_bytes(s, tensors)
     if strat == "dp" and w > 1:
         # torch/nn/parallel/data_parallel.py: the whole batch lands on device 0 and is scattered from
         # there, outputs are gathered there, and replicate.py's Broadcast.backward reduces every

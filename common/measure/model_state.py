@@ -128,7 +128,7 @@ def setup_of(cfg, world: int, precision: str | None = None) -> Setup | None:
                  precision=precision, optimizer=cfg.optimizer, strategy=strategy, momentum=cfg.momentum,
                  grad_accum=cfg.grad_accum, grad_checkpointing=cfg.grad_checkpointing,
                  channels_last=cfg.channels_last, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)),
-                 zero=zero)
+                 zero=zero, bn_fp32=bool(getattr(cfg, "bn_fp32", False)))
 
 
 class ModelState(Instrument):

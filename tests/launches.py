@@ -1,0 +1,161 @@
+"""One launch, many checks: the end-to-end runs the tests share.
+
+Each training script x precision it accepts (from the registry) and a few named variants run once per
+pytest session, under their real launcher, on the first test that asks for them; every test that checks
+a property of such a run (its row, its model state, its bytes per step, its checkpoint loading into a
+bare model, inference on that checkpoint) reads the same launch. A launch starts 2-3 processes that
+import torch, torchvision and DeepSpeed (10-20 s on 2 cores): checking six properties of one run used
+to cost six of them. What needs a run of its own keeps launching it: a kill and a resume, a restart, bad
+input, another world size, settings no shared run has.
+
+    def test_x(launched):
+        r = launched("pytorch_DDP-fp32")   # runs it now, or returns the session's earlier result
+        r.row["comm_bytes_per_step"]
+
+Disk: a run's resume checkpoints (twice the model) are deleted once it ends; its model_final.pt
+(~43 MB for resnet18 in fp32) stays for the tests that load it, until the session ends.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import half_size, rows, run, tiny_args
+
+from common.registry import BY_FILE, SCRIPTS
+
+DS_JSONS = ["config/zero_stage1_config.json", "config/zero_stage2_config.json", "config/zero_stage3_config.json"]
+# the DeepSpeed scripts: every shipped JSON through each, every precision on some JSON
+DS_CASES = {"pytorch_DeepSpeed.py": {"fp16": DS_JSONS[0], "bf16": DS_JSONS[1], "fp32": DS_JSONS[2]},
+            "accelerate_DeepSpeed.py": {"bf16": DS_JSONS[0], "fp16": DS_JSONS[1], "fp32": DS_JSONS[2]}}
+# the fp32 runs are also test_equivalence's: every rank sees the pixels one process sees (no random
+# augmentation) and BatchNorm normalizes with its running statistics (eval mode), so the loss of a batch
+# does not depend on how it is split over ranks; no learning-rate warm-up. BatchNorm in train mode and
+# augmentation run in every half-precision case and in the runs of the other tests.
+EQUAL = {"augment": False, "freeze_bn": True, "warmup_steps": 0}
+# the half-precision runs: the smallest torchvision classifier the checks allow. Where oneDNN has no native
+# fp16/bf16 kernels (fp16 on most CPUs, bf16 on those without avx512_bf16) torch's reference kernels run:
+# a resnet18 step of 8 images at 16 px takes 1.6 s there, shufflenet_v2_x0_5's 0.09 s
+HALF_MODEL = "shufflenet_v2_x0_5"
+# flags some cases add, so that the option's path runs somewhere
+EXTRA = {("pytorch_auto_mixed_precision.py", "fp16"): {"clip_grad_norm": 1.0},
+         ("pytorch_half_precision.py", "bf16"): {"bn_fp32": True, "loss_scale": 128}}
+
+
+def deepspeed_fp16_here() -> bool:
+    """DeepSpeed's CPU accelerator rule (deepspeed/accelerator/cpu_accelerator.py is_fp16_supported)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:
+        return False
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One run: `script` (the row's script) started by `launcher` on `nproc` processes with helpers.TINY's
+    flags and `over` on top. `twin`: the command of a CPU twin in tests/twins/ that runs the script's own
+    main() instead (its path, and its arguments before the flags)."""
+    script: str
+    precision: str = "fp32"
+    over: tuple = ()  # (flag, value) pairs over TINY
+    nproc: int = 1
+    launcher: str = "python"
+    env: tuple = ()
+    twin: tuple = ()
+
+    def flags(self) -> dict:
+        return {"precision": self.precision, **half_size(self.precision), **dict(self.over)}
+
+
+def script_case(file: str, precision: str) -> Launch:
+    """test_scripts' run of a script at a precision: 2 ranks under torchrun for a distributed script
+    (the accelerate ones too: `accelerate launch` runs the same torchrun underneath), the DeepSpeed
+    JSON of DS_CASES, and DeepSpeed fp16 through its twin where DeepSpeed refuses fp16 on this CPU
+    (test_deepspeed_refuses_a_dtype_its_accelerator_lacks), so the engine's fp16 path still runs."""
+    s = BY_FILE[file]
+    over = {**(EQUAL if precision == "fp32" else {"model": HALF_MODEL}), **EXTRA.get((file, precision), {})}
+    if file in DS_CASES:
+        over["deepspeed_config"] = DS_CASES[file][precision]
+    twin = ("tests/twins/deepspeed_fp16_on_cpu.py", file) if s.deepspeed_config and precision == "fp16" \
+        and not deepspeed_fp16_here() else ()
+    return Launch(file, precision, tuple(sorted(over.items())), nproc=2 if s.distributed else 1,
+                  launcher="torchrun" if s.distributed else "python", twin=twin)
+
+
+CASES: dict[str, Launch] = {f"{s.name}-{p}": script_case(s.file, p) for s in SCRIPTS for p in s.precisions}
+CASES.update({
+    # the deepspeed launcher itself, on the script's default JSON (ZeRO-2)
+    "pytorch_DeepSpeed-launcher": Launch("pytorch_DeepSpeed.py", nproc=2, launcher="deepspeed"),
+    # accelerate's own FSDP2 path forced on over gloo (accelerate_FSDP.py itself refuses CPU)
+    "accelerate_FSDP-twin-fp32": Launch("accelerate_FSDP.py", "fp32", (("clip_grad_norm", 1.0),), 2, "torchrun",
+                                        twin=("tests/twins/accelerate_fsdp_on_cpu.py",)),
+    "accelerate_FSDP-twin-bf16": Launch("accelerate_FSDP.py", "bf16", (("clip_grad_norm", 1.0),), 2, "torchrun",
+                                        twin=("tests/twins/accelerate_fsdp_on_cpu.py",)),
+})
+CASES.update({name: replace(CASES[base], over=tuple(sorted({**dict(CASES[base].over), **more}.items())))
+              for name, base, more in [
+    # pytorch_DDP-fp32 again with the harness's metric all-reduces in every step
+    ("pytorch_DDP-fp32-log1", "pytorch_DDP-fp32", {"log_every": 1}),
+    # 2 ranks x 2 accumulated micro-batches of 4 (test_equivalence)
+    ("pytorch_DDP-fp32-accum2", "pytorch_DDP-fp32", {"grad_accum": 2}),
+    # the other schedule and an explicit split (test_equivalence)
+    ("pytorch_PP-fp32-1f1b", "pytorch_PP-fp32", {"schedule": "1f1b", "split": "2,2"}),
+]})
+
+
+@dataclass
+class Result:
+    launch: Launch
+    folder: Path
+    proc: subprocess.CompletedProcess
+    resume_saved: bool = False  # the run wrote its epoch checkpoint (deleted since)
+    _rows: list = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[dict]:
+        return self._rows
+
+    @property
+    def row(self) -> dict:
+        """The run's one row (a test reading it asserts there is exactly one)."""
+        assert len(self._rows) == 1, (len(self._rows), self.proc.stderr[-3000:])
+        return self._rows[0]
+
+    def final(self) -> Path:
+        return self.folder / "ckpt" / self.launch.script[:-3] / "model_final.pt"
+
+
+class SharedLaunches:
+    def __init__(self, root: Path):
+        self.root, self.done = root, {}
+
+    def __call__(self, name: str) -> Result:
+        if name not in self.done:
+            self.done[name] = self._launch(name, CASES[name])
+        return self.done[name]
+
+    def _launch(self, name: str, case: Launch) -> Result:
+        folder = self.root / name
+        folder.mkdir(parents=True)
+        args = tiny_args(folder, **case.flags())
+        script, args = (case.twin[0], list(case.twin[1:]) + args) if case.twin else (case.script, args)
+        proc = run(script, args, nproc=case.nproc, launcher=case.launcher, env=dict(case.env), timeout=600)
+        resume = folder / "ckpt" / case.script[:-3] / "resume"
+        saved = resume.is_dir()
+        shutil.rmtree(resume, ignore_errors=True)
+        return Result(case, folder, proc, saved, rows(folder / "summary.csv"))
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def launched(tmp_path_factory):
+    """launched(name) -> Result of the shared launch `name` (a key of CASES), run on first use."""
+    shared = SharedLaunches(tmp_path_factory.mktemp("launches"))
+    yield shared
+    shared.close()
