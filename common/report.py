@@ -375,7 +375,8 @@ def _comm(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
                       _fmt(want / 1e6 if want else None, 1), ratio, _fmt(r.comm_calls_per_step, 1),
                       _fmt(r.comm_ms_per_step, 1), _fmt(r.busbw_gbps, 2), _fmt(r.comm_overlap_pct, 0)])
         bars.append((r.label, got, want))
-    lines = ["Communication per optimizer step and rank (first --comm-steps steps of the timed window; "
+    lines = ["Communication per optimizer step and rank (the --comm-steps steps after the warm-up, before the "
+             "timed window; "
              f"expected from {params:,} parameters, docs/communication.md)." if params else
              "Communication per optimizer step and rank.", ""]
     lines += _table(["run", "strategy", "precision", "world", "MB/step", "expected MB", "measured/expected",
