@@ -69,9 +69,9 @@ class Cluster:
                   f"--log-file={r}/log/munged.log", f"--seed-file={r}/munge/seed")
         ctld, n1, n2 = _free_ports(3)
         host = socket.gethostname().split(".")[0]
-        # MinJobAge=16: `sbatch --wait` sleeps 2 s, then x4 while the sleep is under MinJobAge/2 and 32 s
+        # MinJobAge=4: `sbatch --wait` sleeps 2 s, then x4 while the sleep is under MinJobAge/2 and 32 s
         # (sbatch.c _job_wait), so Slurm's default (300) polls at 2, 10, 42 s and a 12 s job holds the test
-        # 42 s; at 16 it polls every 8 s, and a finished job's record (what scontrol reads) outlives a poll
+        # 42 s; at 4 it polls every 2 s, and a finished job's record (what scontrol reads next) stays >= 4 s
         with open(self.conf, "w") as fh:
             fh.write(f"""ClusterName=local
 SlurmctldHost={host}
@@ -94,7 +94,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
 MpiDefault=none
-MinJobAge=16
+MinJobAge=4
 NodeName=n1 NodeHostname={host} NodeAddr=127.0.0.1 Port={n1} CPUs=1 RealMemory=10000 State=UNKNOWN
 NodeName=n2 NodeHostname={host} NodeAddr=127.0.0.1 Port={n2} CPUs=1 RealMemory=10000 State=UNKNOWN
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP

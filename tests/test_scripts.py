@@ -7,6 +7,7 @@ import pytest
 import torch
 import torchvision
 from helpers import check_ok, half_size, one_line_error, pp_bytes_per_step, rows, run, tiny_args
+from launches import HALF_MODEL
 from test_comm import ddp_calls_per_step
 from test_guards import ddp_buckets
 from test_memory import check_model_state
@@ -196,7 +197,7 @@ def test_deepspeed_bf16_counts_the_steps_it_skips(tmp_path, poisoned, skipped):
     """DeepSpeed skips a bf16 (or fp32) step whose gradients are not finite as it does an fp16 one
     (engine.py: skipped_steps += 1 whenever the optimizer reports overflow): the row counts them, and
     when every timed step was skipped the empty model state says why."""
-    args = tiny_args(tmp_path, precision="bf16", **half_size("bf16"))
+    args = tiny_args(tmp_path, precision="bf16", model=HALF_MODEL, **half_size("bf16"))
     check_ok(run("tests/twins/nonfinite_grad.py", ["pytorch_DeepSpeed.py"] + args, nproc=2, launcher="torchrun",
                  env={"NONFINITE_AT": poisoned}))
     (row,) = rows(tmp_path / "summary.csv")
