@@ -18,12 +18,15 @@ INFER = ["--device", "cpu", "--dataset", "synthetic", "--model", "resnet18", "--
          "--batch-size", "16", "--warmup-iters", "1"]
 
 
-TRAINED = ["pytorch_SingleGPU-fp32", "pytorch_DDP-fp32", "pytorch_FSDP-fp32", "pytorch_DeepSpeed-fp32"]
+# the shared fp32 runs; the DeepSpeed (ZeRO-2, deepspeed launcher) and accelerate FSDP ones train BatchNorm
+# in train mode, so their checkpoints carry running statistics of their own (the others run --freeze-bn)
+TRAINED = ["pytorch_SingleGPU-fp32", "pytorch_DDP-fp32", "pytorch_FSDP-fp32", "pytorch_DeepSpeed-launcher",
+           "accelerate_FSDP-twin-fp32"]
 
 
 @pytest.fixture(scope="module")
 def trained(launched, tmp_path_factory):
-    """The shared fp32 runs of one process, DDP, FSDP and DeepSpeed (ZeRO-3): their model_final.pt linked
+    """The shared fp32 runs of one process, DDP, FSDP, DeepSpeed and accelerate FSDP: their model_final.pt linked
     under one folder, as checkpoints/ holds them, and each run's accuracy."""
     tmp = tmp_path_factory.mktemp("trained")
     accuracy = {}
