@@ -37,6 +37,10 @@ DS_CASES = {"pytorch_DeepSpeed.py": {"fp16": DS_JSONS[0], "bf16": DS_JSONS[1], "
 # does not depend on how it is split over ranks; no learning-rate warm-up. BatchNorm in train mode and
 # augmentation run in every half-precision case and in the runs of the other tests.
 EQUAL = {"augment": False, "freeze_bn": True, "warmup_steps": 0}
+# ... and they run at 3 ranks (the pipeline at 2: one stage per rank), 4 images each: 3 divides neither
+# resnet18's parameter counts nor the 37 test samples, so padded and uneven shards are what the model-state,
+# volume and equivalence checks see (4 steps of 12 images: the same window as TINY's 4 of 16)
+AT_3 = {"batch_size": 12, "train_samples": 48}
 # the half-precision runs: the smallest torchvision classifier the checks allow. Where oneDNN has no native
 # fp16/bf16 kernels (fp16 on most CPUs, bf16 on those without avx512_bf16) torch's reference kernels run:
 # a resnet18 step of 8 images at 16 px takes 1.6 s there, shufflenet_v2_x0_5's 0.09 s
@@ -77,12 +81,14 @@ def script_case(file: str, precision: str) -> Launch:
     JSON of DS_CASES, and DeepSpeed fp16 through its twin where DeepSpeed refuses fp16 on this CPU
     (test_deepspeed_refuses_a_dtype_its_accelerator_lacks), so the engine's fp16 path still runs."""
     s = BY_FILE[file]
-    over = {**(EQUAL if precision == "fp32" else {"model": HALF_MODEL}), **EXTRA.get((file, precision), {})}
+    fp32 = precision == "fp32"
+    over = {**({**EQUAL, **AT_3} if fp32 else {"model": HALF_MODEL}), **EXTRA.get((file, precision), {})}
     if file in DS_CASES:
         over["deepspeed_config"] = DS_CASES[file][precision]
     twin = ("tests/twins/deepspeed_fp16_on_cpu.py", file) if s.deepspeed_config and precision == "fp16" \
         and not deepspeed_fp16_here() else ()
-    return Launch(file, precision, tuple(sorted(over.items())), nproc=2 if s.distributed else 1,
+    nproc = 1 if not s.distributed else 3 if fp32 and s.max_processes is None else 2
+    return Launch(file, precision, tuple(sorted(over.items())), nproc=nproc,
                   launcher="torchrun" if s.distributed else "python", twin=twin)
 
 

@@ -1,20 +1,20 @@
-"""DDP (2 ranks x B/2), DDP+ZeRO, FSDP, DeepSpeed and the same through accelerate must train exactly like
+"""DDP (3 ranks x B/3), DDP+ZeRO, FSDP, DeepSpeed and the same through accelerate must train exactly like
 one process with batch B. The runs are the shared fp32 launches of tests/launches.py.
 
 BatchNorm: with --freeze-bn every BN layer runs in eval mode (fixed running statistics), so the
 loss of a batch no longer depends on how it is split over ranks; augmentation is off so both
 runs see the same pixels. DistributedSampler with one permutation per seed gives rank r the
-samples P[r::2]: the union of the two ranks' micro-batches at step k is the single process's batch k.
-What remains is float summation order (one sum over B vs an all-reduce of two sums over B/2):
+samples P[r::3]: the union of the three ranks' micro-batches at step k is the single process's batch k.
+What remains is float summation order (one sum over B vs an all-reduce of three sums over B/3):
 about 1e-7 relative per operation. TOLERANCE allows 1e-4 absolute on weights after 4 SGD steps
 at lr 0.05; a wrong gradient average (sum instead of mean, a missed all-reduce) moves weights by
 about lr x |grad| ~ 1e-2, a hundred times more, so the test still catches it.
 
 Model and pipeline parallelism split the model instead of the batch. pytorch_MP.py runs the same
 batches through two halves: the same arithmetic, weights equal to pytorch_SingleGPU.py's. The
-pipeline (2 ranks, one stage each) cuts every batch of 16 into 4 micro-batches of 4: BatchNorm in
+pipeline (2 ranks, one stage each) cuts every batch of 12 into 4 micro-batches of 3: BatchNorm in
 train mode would normalize each micro-batch by its own mean and variance, a different function
-than one batch of 16 (and update the running statistics 4 times a step), so only --freeze-bn makes
+than one batch of 12 (and update the running statistics 4 times a step), so only --freeze-bn makes
 the pipeline equal to one process. The schedule divides the sum of the micro-batch mean-loss
 gradients by 4: the gradient of the batch mean, up to summation order.
 """

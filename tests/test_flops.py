@@ -79,8 +79,8 @@ def test_cpu_row_has_mfu_step_times_and_energy_where_readable(launched):
     assert f["achieved_tflops"] == pytest.approx(f["train_gflop_per_img"] * f["throughput_img_s"] / 1000, rel=1e-2)
     assert 0 < f["mfu"] <= 1 and f["mfu"] == pytest.approx(f["achieved_tflops"] / f["peak_tflops"], rel=1e-2)
     assert 0 < f["step_ms_p50"] <= f["step_ms_p90"]
-    # 3 timed steps of 16 images: the median step cannot be longer than the whole window
-    assert f["step_ms_p50"] <= 3 * 16 / f["throughput_img_s"] * 1000
+    # 3 timed steps: the median step cannot be longer than the whole window
+    assert f["step_ms_p50"] <= 3 * int(row["global_batch_size"]) / f["throughput_img_s"] * 1000
     if rapl_zones():
         assert float(row["energy_j"]) > 0 and float(row["img_per_j"]) > 0
     else:  # RAPL unreadable (root-only since Linux 5.10): empty, never 0

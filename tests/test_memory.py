@@ -1,8 +1,9 @@
 """The memory model (common/measure/memory.py) against what runs really hold, and `benchmark.py advise`.
 
 Model state: each run's row carries model_state_gib (unique storages of the model, optimizer and
-engine, walked after the first update) beside pred_model_state_gib. The 2-rank runs of every script
-are checked in test_scripts.py (check_row); here the same at 3 ranks, plus AdamW and shard-grad-op.
+engine, walked after the first update) beside pred_model_state_gib. The shared runs of every script
+are checked in test_scripts.py (check_row: fp32 at 3 ranks, half precision at 2); here more at 3 ranks:
+AdamW, shard-grad-op, DeepSpeed ZeRO-1 and ZeRO-2, accelerate's DeepSpeed.
 Activations: the saved-tensor prediction on the meta device against the storages a real CPU forward
 leaves alive (a TorchDispatchMode that records every op's output storage), an independent count.
 """
@@ -45,18 +46,14 @@ def check_model_state(row: dict) -> None:
         assert abs(float(row["pred_error_pct"])) < 50, row["pred_error_pct"]
 
 
-# one run each at 3 ranks (the 2-rank runs of every script are in test_scripts.py)
+# one run each at 3 ranks, beside test_scripts.py's (check_row): its fp32 runs of DDP, DDP+ZeRO, FSDP full
+# shard, DeepSpeed ZeRO-3 and accelerate DDP are at 3 ranks (tests/launches.py), its half-precision runs at 2
 CASES = [
-    ("pytorch_DDP.py", "torchrun", {}),
-    ("pytorch_DDP_ZeRO.py", "torchrun", {}),
     ("pytorch_DDP_ZeRO.py", "torchrun", {"optimizer": "adamw"}),
-    ("pytorch_FSDP.py", "torchrun", {}),
     ("pytorch_FSDP.py", "torchrun", {"sharding": "shard-grad-op", "optimizer": "adamw"}),
     ("pytorch_DeepSpeed.py", "deepspeed", {"deepspeed_config": "config/zero_stage1_config.json"}),
     ("pytorch_DeepSpeed.py", "deepspeed", {"deepspeed_config": "config/zero_stage2_config.json",
                                            "optimizer": "adamw"}),
-    ("pytorch_DeepSpeed.py", "deepspeed", {"deepspeed_config": "config/zero_stage3_config.json"}),
-    ("accelerate_DDP.py", "torchrun", {}),
     ("accelerate_DeepSpeed.py", "torchrun", {"deepspeed_config": "config/zero_stage2_config.json"}),
 ]
 
