@@ -12,8 +12,9 @@ input, another world size, settings no shared run has.
         r = launched("pytorch_DDP-fp32")   # runs it now, or returns the session's earlier result
         r.row["comm_bytes_per_step"]
 
-Disk: a run's resume checkpoints (twice the model) are deleted once it ends; its model_final.pt
-(~43 MB for resnet18 in fp32) stays for the tests that load it, until the session ends.
+Disk: a run's resume checkpoints (twice the model) and DeepSpeed's final shards are deleted once it
+ends; its model_final.pt (~43 MB for resnet18 in fp32, 15 such runs: ~0.7 GB) stays for the tests that
+load it, until the session ends.
 """
 from __future__ import annotations
 
@@ -153,6 +154,7 @@ class SharedLaunches:
         resume = folder / "ckpt" / case.script[:-3] / "resume"
         saved = resume.is_dir()
         shutil.rmtree(resume, ignore_errors=True)
+        shutil.rmtree(resume.parent / "ds_checkpoint", ignore_errors=True)  # DeepSpeed's final shards, read already
         return Result(case, folder, proc, saved, rows(folder / "summary.csv"))
 
     def close(self) -> None:
