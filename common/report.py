@@ -76,6 +76,7 @@ def _charts(section: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
         ax.barh(data["label"], data[col], color="#4C72B0")
         for y, v in enumerate(data[col]):
             ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
+        ax.set_xlim(0, 1.12 * max(data[col].max(), 1e-9))  # room for the longest bar's value label
         ax.invert_yaxis()
         ax.set_xlabel(unit)
         ax.set_title(title, fontsize=10)
