@@ -76,7 +76,9 @@ def cmd_report(opts) -> int:
 def cmd_doctor(opts) -> int:
     from common.bench.doctor import doctor
 
-    return doctor(opts)
+    status = doctor(opts)
+    cmd_report(opts)  # what --report promises: the doctor's runs as a report, with its charts
+    return status
 
 
 def cmd_advise(opts) -> int:

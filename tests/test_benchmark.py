@@ -23,35 +23,6 @@ def bench(tmp_path, *args, timeout=900):
 
 
 @pytest.mark.slow
-def test_smoke_preset_end_to_end(tmp_path):
-    # one script per launcher (python, torchrun, deepspeed, accelerate launch with a DeepSpeed config)
-    # and one that needs CUDA: every script itself runs in test_scripts.py
-    # the smoke preset's own arguments cut to 4 steps (the doctor runs the real preset: test_doctor_on_cpu)
-    import yaml
-
-    smoke = yaml.safe_load(open(os.path.join(ROOT, "config", "benchmark.yaml")))["presets"]["smoke"]
-    smoke["args"].update(train_samples=128, test_samples=40, epochs=1)
-    matrix = tmp_path / "m.yaml"
-    matrix.write_text(yaml.safe_dump({"presets": {"smoke": smoke}}))
-    proc = bench(tmp_path, "--preset", "smoke", "--matrix", str(matrix), "--only", ",".join(LAUNCHER_SAMPLE))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = {r["script"]: r for r in rows(tmp_path / "summary.csv")}
-    assert sorted(got) == sorted(LAUNCHER_SAMPLE)
-    assert {BY_FILE[s].launcher for s in got} == {s.launcher for s in SCRIPTS}
-    for script, r in got.items():
-        expected = "skipped" if BY_FILE[script].needs_cuda else "ok"  # accelerate's FSDP needs CUDA
-        assert r["status"] == expected, (script, r["status"], r["error"])
-    assert "step 4/4" in proc.stdout and "img/s" in proc.stdout  # live progress
-    report = (tmp_path / "REPORT.md").read_text()
-    assert "smoke/pytorch_DeepSpeed" in report and "Published figures" in report and "Tesla P40" in report
-    charts = os.listdir(tmp_path / "charts")
-    assert any(c.endswith("throughput_img_s.png") for c in charts)
-    assert any(c.endswith("test_accuracy.png") for c in charts)
-    again = bench(tmp_path, "--preset", "smoke", "--matrix", str(matrix), "--only", "pytorch_SingleGPU.py")
-    assert "already in" in again.stdout and len(rows(tmp_path / "summary.csv")) == len(LAUNCHER_SAMPLE)
-
-
-@pytest.mark.slow
 def test_failures_are_recorded_and_the_matrix_goes_on(tmp_path):
     matrix = tmp_path / "m.yaml"
     matrix.write_text("""presets:
@@ -157,10 +128,20 @@ def test_seed_preset_commands(tmp_path):
 
 @pytest.mark.slow
 def test_doctor_on_cpu(tmp_path):
-    """On a CPU-only machine: one line saying so, the environment, the runs, every check passing, exit 0."""
-    proc = subprocess.run([sys.executable, "benchmark.py", "doctor", "--only",
-                           "pytorch_SingleGPU.py,pytorch_DDP.py,accelerate_FSDP.py",
-                           "--results", str(tmp_path / "d.csv"), "--report", str(tmp_path / "D.md"),
+    """On a CPU-only machine: one line saying so, the environment, the runs, every check passing, exit 0.
+    Also the smoke preset end to end through benchmark.py: one script per launcher (python, torchrun,
+    deepspeed, accelerate launch with a DeepSpeed config) and one that needs CUDA, the report, its
+    charts, and a rerun skipped. Every script itself runs in test_scripts.py. The preset's own arguments
+    cut to 4 steps (the doctor at its full size runs in the GPU tier)."""
+    import yaml
+
+    smoke = yaml.safe_load(open(os.path.join(ROOT, "config", "benchmark.yaml")))["presets"]["smoke"]
+    smoke["args"].update(train_samples=128, test_samples=40, epochs=1)
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text(yaml.safe_dump({"presets": {"smoke": smoke}}))
+    proc = subprocess.run([sys.executable, "benchmark.py", "doctor", "--only", ",".join(LAUNCHER_SAMPLE),
+                           "--matrix", str(matrix),
+                           "--results", str(tmp_path / "summary.csv"), "--report", str(tmp_path / "REPORT.md"),
                            "--save-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -171,6 +152,21 @@ def test_doctor_on_cpu(tmp_path):
     assert "| smoke/pytorch_DDP: GPU columns empty on CPU | pass |" in out
     assert "| smoke/accelerate_FSDP: one row, status skipped | pass |" in out
     assert "FAIL" not in out and ", 0 fail" in out
+
+    got = {r["script"]: r for r in rows(tmp_path / "summary.csv")}
+    assert sorted(got) == sorted(LAUNCHER_SAMPLE)
+    assert {BY_FILE[s].launcher for s in got} == {s.launcher for s in SCRIPTS}
+    for script, r in got.items():
+        expected = "skipped" if BY_FILE[script].needs_cuda else "ok"  # accelerate's FSDP needs CUDA
+        assert r["status"] == expected, (script, r["status"], r["error"])
+    assert "step 4/4" in out and "img/s" in out  # live progress
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "smoke/pytorch_DeepSpeed" in report and "Published figures" in report and "Tesla P40" in report
+    charts = os.listdir(tmp_path / "charts")
+    assert any(c.endswith("throughput_img_s.png") for c in charts)
+    assert any(c.endswith("test_accuracy.png") for c in charts)
+    again = bench(tmp_path, "--preset", "smoke", "--matrix", str(matrix), "--only", "pytorch_SingleGPU.py")
+    assert "already in" in again.stdout and len(rows(tmp_path / "summary.csv")) == len(LAUNCHER_SAMPLE)
 
 
 def test_memory_chart_draws_the_rows_own_prediction():
