@@ -87,6 +87,18 @@ def cmd_advise(opts) -> int:
     return advise(opts)
 
 
+def _calibrate_args(p):
+    from common.bench.calibrate import add_args
+
+    add_args(p)
+
+
+def cmd_calibrate(opts) -> int:
+    from common.bench.calibrate import calibrate
+
+    return calibrate(opts)
+
+
 def _advise_args(p):
     from common.bench.advise import add_args
 
@@ -151,6 +163,8 @@ COMMANDS = {
                 _compare_args, cmd_compare),
     "doctor": ("print the environment a bug report needs, run the smoke preset, check its invariants",
                _doctor_args, cmd_doctor),
+    "calibrate": ("measure the step model's inputs on this machine (compute per setup, collectives per world "
+                  "size) into results/calibration.json", _calibrate_args, cmd_calibrate),
     "advise": ("predicted memory per GPU of every strategy for a model, batch and GPU count, and which to use "
                "(no GPU needed)", _advise_args, cmd_advise),
 }

@@ -12,6 +12,7 @@ busbw = algbw x 2(n-1)/n (all-reduce) or (n-1)/n (all-gather, reduce-scatter), w
 is what each link carried, comparable across world sizes.
 """
 import argparse
+import json
 import os
 import sys
 import time
@@ -39,6 +40,9 @@ def op(kind: str, n: int, elems: int, device: torch.device):
     if kind == "all_gather":
         inp, out = torch.ones(shard, device=device), torch.empty(shard * n, device=device)
         return lambda: dist.all_gather_single(out, inp)
+    if kind == "broadcast":
+        buf = torch.ones(shard * n, device=device)
+        return lambda: dist.broadcast(buf, 0)
     inp, out = torch.ones(shard * n, device=device), torch.empty(shard, device=device)
     return lambda: dist.reduce_scatter_single(out, inp)
 
@@ -50,6 +54,8 @@ def main():
     p.add_argument("--max-bytes", default="64M", help="largest S; sizes double from the smallest")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--kinds", default="all_reduce,all_gather,reduce_scatter,broadcast", help="collectives to time")
+    p.add_argument("--json", default="", help="also write the points (kind, S bytes, seconds) here (rank 0)")
     a = p.parse_args()
     cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -61,7 +67,8 @@ def main():
     if rank == 0:
         print(f"{dist.get_backend()} on {n} ranks ({device.type}); GB/s = 1e9 bytes/s")
         print(f"{'collective':>15} {'S bytes':>12} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
-    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+    points = []
+    for kind in a.kinds.split(","):
         s = size(a.min_bytes)
         while s <= size(a.max_bytes):
             call = op(kind, n, s // 4, device)
@@ -77,11 +84,15 @@ def main():
             elapsed = torch.tensor([(time.perf_counter() - t0) / a.iters], dtype=torch.float64, device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             t = elapsed.item()
+            points.append((kind, nbytes, t))
             if rank == 0:
                 algbw = nbytes / t / 1e9
                 print(f"{kind:>15} {nbytes:>12} {t * 1e6:>10.1f} {algbw:>11.3f} {algbw * bus_factor(kind, n):>11.3f}",
                       flush=True)
             s *= 2
+    if a.json and rank == 0:
+        with open(a.json, "w") as fh:
+            json.dump({"world_size": n, "backend": dist.get_backend(), "points": points}, fh)
     dist.destroy_process_group()
 
 

@@ -23,7 +23,9 @@ NUMERIC = ["world_size", "image_size", "global_batch_size", "epochs", "steps", "
            "peak_allocated_gib", "peak_reserved_gib", "peak_nvml_gib", "gpu_util_mean", "gpu_util_peak",
            "train_loss", "test_accuracy", "test_samples", "num_devices", "microbatches", "pipeline_bubble_pct",
            "model_state_gib", "pred_model_state_gib", "pred_activation_gib", "pred_peak_gib", "pred_error_pct",
-           "comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step", "busbw_gbps", "comm_overlap_pct"]
+           "comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step", "busbw_gbps", "comm_overlap_pct",
+           "step_ms_p50", "step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms",
+           "step_optimizer_ms", "step_other_ms", "pred_step_ms", "pred_img_s", "pred_time_error_pct"]
 SECTION = ["device_name", "model", "image_size", "dataset", "global_batch_size"]
 
 
@@ -286,6 +288,50 @@ def _memory(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     return lines
 
 
+TIME_PARTS = ("data", "compute", "comm_exposed", "optimizer", "other")
+
+
+def _time(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
+    """Where each run's step went (measured components, docs/time.md) and the step model's prediction:
+    the median over the run's launches of each, stacked bars with the predicted step marked."""
+    ok = rows[(rows.status == "ok") & rows.step_ms_mean.notna()]
+    if ok.empty:
+        return []
+    cols = [f"step_{p}_ms" for p in TIME_PARTS] + ["step_ms_p50", "step_ms_mean", "pred_step_ms", "pred_time_error_pct"]
+    med = ok.groupby("label", sort=False)[cols].median()
+    n = ok.groupby("label", sort=False).size()
+    table = [[label, _fmt(n[label], 0), *(_fmt(r[f"step_{p}_ms"], 1) for p in TIME_PARTS), _fmt(r.step_ms_mean, 1),
+              _fmt(r.step_ms_p50, 1), _fmt(r.pred_step_ms, 1), _fmt(r.pred_time_error_pct, 1)]
+             for label, r in med.iterrows()]
+    lines = ["Where a step's time went (ms per optimizer step, median over launches) and the step model's prediction "
+             "(docs/time.md; error against the median step):", ""]
+    lines += _table(["run", "launches", *TIME_PARTS, "step mean", "step p50", "predicted", "pred error %"], table)
+    errors = med.pred_time_error_pct.dropna().abs()
+    if len(errors):
+        lines += ["", f"Prediction error over {len(errors)} runs: median {errors.median():.1f}%, "
+                      f"largest {errors.max():.1f}% ({errors.idxmax()})."]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(med) + 1.6))
+    left = [0.0] * len(med)
+    for p in TIME_PARTS:
+        values = [0.0 if math.isnan(v) else v for v in med[f"step_{p}_ms"]]
+        ax.barh(list(med.index), values, left=left, label=p)
+        left = [a + v for a, v in zip(left, values)]
+    pred = [(i, v) for i, v in enumerate(med.pred_step_ms) if not math.isnan(v)]
+    if pred:
+        ax.scatter([v for _, v in pred], [i for i, _ in pred], marker="|", s=300, color="black", zorder=3,
+                   label="predicted step")
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(left + [v for _, v in pred]) * 1.08)
+    ax.set_xlabel("ms per optimizer step")
+    ax.set_title("Measured step by component (bars), predicted step (|)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{slug}_step_components.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return lines + ["", f"![{os.path.basename(path)}](charts/{os.path.basename(path)})"]
+
+
 def _not_ok(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     bad = latest(rows)
     bad = bad[bad.status != "ok"]
@@ -446,7 +492,7 @@ def _scaling(df: pd.DataFrame, reference_csv: str | None, out_dir: str) -> list[
 # The report's parts. Per setup (rows measured under the same conditions: every row of the setup,
 # repeats included), each gets (rows, chart folder, slug) and returns Markdown lines; after the
 # setups, each of GLOBAL_PARTS gets (all rows, reference CSV, chart folder).
-SETUP_PARTS = [_main_table, _repeats_table, _pipeline, _not_ok, _chart_links, _memory, _comm]
+SETUP_PARTS = [_main_table, _repeats_table, _pipeline, _not_ok, _chart_links, _memory, _comm, _time]
 GLOBAL_PARTS = [_published, _scaling]
 
 

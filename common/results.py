@@ -44,6 +44,9 @@ COLUMNS = CONTRACT + [
     # communication and pipelining
     "comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step", "busbw_gbps", "comm_overlap_pct",
     "pipeline_bubble_pct",
+    # where a step's time went (common/measure/stepparts.py) and the step model's prediction
+    "step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms", "step_other_ms",
+    "pred_step_ms", "pred_img_s", "pred_time_error_pct",
     # software fingerprint
     "cuda_version", "cudnn_version", "nccl_version", "driver_version", "deepspeed_version", "accelerate_version",
     # why a column that should hold a figure is empty (an instrument that had nothing to measure)
@@ -53,6 +56,9 @@ COLUMNS = CONTRACT + [
 _PRED_PARTS = [f"pred_{c}_gib" for c in ("params", "grads", "optimizer", "master", "comm")]
 HISTORY.append([c for c in COLUMNS if c != "notes" and c not in _PRED_PARTS])  # 0.3.0
 HISTORY.append([c for c in COLUMNS if c not in _PRED_PARTS])  # a development header with notes alone
+_TIME = ["step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms",
+         "step_other_ms", "pred_step_ms", "pred_img_s", "pred_time_error_pct"]
+HISTORY.append([c for c in COLUMNS if c not in _TIME])  # 0.4.0: before the time columns
 
 
 def _lock(path: str) -> FileLock:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import platform
 import subprocess
 import sys
 import traceback
@@ -28,7 +27,7 @@ from .distributed import (
     restarts,
     world_size,
 )
-from .measure.fingerprint import fingerprint
+from .measure.fingerprint import device_name, fingerprint
 from .registry import script as registry_entry
 from .results import append_row, check_results_path
 from .train import Diverged
@@ -43,19 +42,6 @@ def git_commit() -> str:
         return head + ("+dirty" if head and dirty else "")
     except (OSError, subprocess.SubprocessError):
         return ""
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip() + f" x{os.cpu_count()}"
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
 
 
 def base_row(cfg: TrainConfig, script: str, strategy: str, libraries: tuple[str, ...] = ()) -> dict:

@@ -43,13 +43,15 @@ from .distributed import (
     world_size,
 )
 from .measure import Instrument
-from .measure.comm import CommRecorder
+from .measure.comm import PHASE, CommRecorder
 from .measure.energy import Energy
 from .measure.flops import Flops
 from .measure.loader import probe_loader
 from .measure.model_state import ModelState
 from .measure.probes import Probes
+from .measure.stepparts import StepParts
 from .measure.steptime import StepTimes
+from .measure.timepred import TimePrediction
 from .optim import steps_per_epoch
 
 
@@ -122,6 +124,7 @@ class TimedWindow:
                  steps: int = 0, total_steps: int | None = None):
         self.opens_at, self.device, self.total_steps = opens_at, device, total_steps
         self.instruments = [i for i in instruments if not i.outside_window]
+        self.parts = next((i for i in instruments if isinstance(i, StepParts)), None)
         self.before = [i for i in instruments if i.outside_window]  # not run yet in this process
         self.profiling: list[Instrument] = []
         self.profiled: list[Instrument] = []  # ran their steps: only their rows are left
@@ -199,6 +202,15 @@ class TimedWindow:
             for i in self.instruments:
                 i.pause()
 
+    def mark(self, phase: str) -> None:
+        """The end of one phase of a step (common/measure/stepparts.py), inside the window only."""
+        if self.running and self.parts is not None:
+            self.parts.mark(phase)
+
+    def phase(self, name: str):
+        """Around a phase while the communication profiler records: its name in the trace."""
+        return torch.profiler.record_function(PHASE + name) if self.profiling else nullcontext()
+
     def elapsed(self) -> float:
         return self.time_s + (time.perf_counter() - self.t0 if self.running else 0.0)
 
@@ -220,7 +232,8 @@ class TimedWindow:
         return {**row, "notes": "; ".join(notes) or None}
 
 
-def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: Metrics) -> list[Instrument]:
+def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: Metrics,
+                      loader_img_s: float | None = None) -> list[Instrument]:
     """Everything measured over the timed window (common/measure/). Built before the window opens:
     the FLOP count and the CPU matmul probe happen here, outside it."""
     devices = hooks.probe_devices or [hooks.device]
@@ -228,10 +241,36 @@ def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: 
     probes = Probes(devices, hooks.device)
     profiled = cfg.comm_steps if world_size() > 1 else 0
     comm = [CommRecorder(cfg.comm_steps, hooks.device)] if profiled else []  # its steps precede the window
-    return [probes, ModelState(cfg, model, hooks.optimizer, hooks.device, probes, precision), *comm,
-            StepTimes(hooks.device), Energy(devices, hooks.device, cfg.batch_size),
+    parts = StepParts(hooks.device, comm[0] if comm else (_NoProfile() if world_size() > 1 else None))
+    state, times = ModelState(cfg, model, hooks.optimizer, hooks.device, probes, precision), StepTimes(hooks.device)
+    setup, strategy = step_setup(cfg, state.setup, precision)
+    return [probes, state, *comm, times, parts, TimePrediction(cfg, setup, hooks.device, times, loader_img_s, strategy),
+            Energy(devices, hooks.device, cfg.batch_size),
             Flops(cfg.model, cfg.image_size, precision, devices, hooks.device, lambda: m.throughput_img_s),
             *hooks.instruments]
+
+
+def step_setup(cfg: TrainConfig, setup, precision: str):
+    """The step model's setup and strategy: the memory model's, or a pipeline's (which it does not know)."""
+    from .registry import running
+
+    if setup is not None:
+        return setup, setup.strategy
+    if running is not None and running.strategy.startswith("pp_"):
+        from .measure.memory import Setup
+
+        return (Setup(model=cfg.model, image_size=cfg.image_size, batch_size=cfg.batch_size,
+                      world_size=world_size(), precision=precision, optimizer=cfg.optimizer, strategy="single"),
+                "pp_" + getattr(cfg, "schedule", "gpipe").replace("-", "_"))
+    return None, ""
+
+
+class _NoProfile:
+    """A distributed run with --comm-steps 0: its exposed communication was not measured."""
+
+    @staticmethod
+    def exposed_ms_per_step():
+        return None
 
 
 def _to_device(x, y, device, input_dtype, channels_last):
@@ -272,9 +311,10 @@ def train_epoch(cfg: TrainConfig, net: nn.Module, loader, hooks: TrainHooks, win
     epoch_steps = micro = 0
     for x, y in loader:
         x, y = _to_device(x, y, device, hooks.input_dtype, cfg.channels_last)
+        window.mark("data")
         micro += 1
         boundary = micro % cfg.grad_accum == 0
-        with nullcontext() if boundary else hooks.no_sync():
+        with nullcontext() if boundary else hooks.no_sync(), window.phase("compute"):
             if hooks.forward_backward is not None:
                 logits, loss = hooks.forward_backward(x, y)
             else:
@@ -282,6 +322,7 @@ def train_epoch(cfg: TrainConfig, net: nn.Module, loader, hooks: TrainHooks, win
                     logits = net(x)
                     loss = F.cross_entropy(logits.float(), y)
                 hooks.backward(loss / cfg.grad_accum)
+        window.mark("compute")
         loss_d = None
         if logits is not None:  # a pipeline's earlier stages hold no outputs: they count nothing
             loss_d = loss.detach().float()
@@ -289,15 +330,19 @@ def train_epoch(cfg: TrainConfig, net: nn.Module, loader, hooks: TrainHooks, win
             stats.loss_sum += loss_d.double() * y.shape[0]
             stats.correct += (logits.detach().argmax(1) == y).sum()
             stats.seen += y.shape[0]
+        window.mark("other")
         if not boundary:
             continue
-        hooks.step()
+        with window.phase("optimizer"):
+            hooks.step()
+        window.mark("optimizer")
         m.steps += 1
         epoch_steps += 1
         window.after_step(m.steps)
         if cfg.log_every and epoch_steps % cfg.log_every == 0:
             _check_finite(streak, cfg)
             progress(cfg, window, epoch, epoch_steps, spe, loss_d)
+        window.mark("other")
         if epoch_steps >= spe:
             break
     return stats, streak
@@ -324,7 +369,7 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: Tr
     if cfg.compile:
         net, m.compile_time_s = compile_model(model, train_loader, hooks, cfg.channels_last)
     opens_at = cfg.timing_warmup_steps if cfg.timing_warmup_steps < spe * cfg.epochs else 0
-    window = TimedWindow(opens_at, device, build_instruments(cfg, model, hooks, m),
+    window = TimedWindow(opens_at, device, build_instruments(cfg, model, hooks, m, loader_img_s),
                          *(saved["window_time"], saved["window_steps"]) if saved else (), total_steps=spe * cfg.epochs)
     streak = torch.zeros((), dtype=torch.int32, device=device)
     for epoch in range(saved["epoch"] if saved else 0, cfg.epochs):

@@ -42,6 +42,24 @@ def check_row(row, script, world, precision):
     assert row["device"] == "cpu" and row["torch_version"] == torch.__version__
     assert float(row["loader_img_s"]) > 0 and int(row["cpu_threads"]) >= 1
     check_model_state(row)  # measured model state within 1% (5% DeepSpeed, accelerate) of the prediction
+    check_time(row)
+
+
+def check_time(row):
+    """The step components tile the window (docs/time.md); the prediction is filled or says why not."""
+    parts = [float(row[c]) for c in ("step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms",
+                                     "step_other_ms")]
+    assert min(parts) >= 0 and sum(parts) == pytest.approx(float(row["step_ms_mean"]), abs=0.01)
+    if int(row["world_size"]) == 1:  # the window's time per step, as throughput counts it
+        want = int(row["global_batch_size"]) / float(row["throughput_img_s"]) * 1e3
+        assert float(row["step_ms_mean"]) == pytest.approx(want, rel=0.05)
+    # (several ranks: step_ms_mean is their mean, throughput rank 0's window; these runs' 3 timed steps hold
+    # the communication profiler's trace processing, which takes each rank its own time)
+    if row["pred_step_ms"]:  # a results/calibration.json of this machine covers the run
+        assert float(row["pred_img_s"]) == pytest.approx(int(row["global_batch_size"]) / float(row["pred_step_ms"])
+                                                          * 1e3, rel=1e-3)
+    else:
+        assert "pred_step_ms: " in row["notes"], row["notes"]
 
 
 def load_bare(final, model="resnet18"):

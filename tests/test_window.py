@@ -84,7 +84,7 @@ class SpyCheckpointer:
 def fit_two_epochs(monkeypatch, rec, evaluations):
     """fit() over 2 epochs of 4 steps, 3 warm-up steps, with `rec` as the only instrument (None: as patched)."""
     if rec is not None:
-        monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m: [rec])
+        monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m, *_: [rec])
     cfg = TrainConfig(epochs=2, timing_warmup_steps=3, log_every=0, batch_size=4, loader_probe_batches=0)
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -123,7 +123,7 @@ def test_profiled_steps_precede_the_window_and_no_instrument_sees_them(monkeypat
     """Warm-up steps 1-3, the profiler from step 4; epoch 1 ends after one profiled step (stopped
     early), and the window opens at epoch 2: its 4 steps, all of them unprofiled."""
     rec, prof = Recorder(), Profiler()
-    monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m: [rec, prof])
+    monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m, *_: [rec, prof])
     m, ckpt = fit_two_epochs(monkeypatch, None, [])
     assert prof.events[:3] == ["start", "step", "stop"] and prof.events.count("step") == 1
     assert m.timed_steps == 4 and rec.events.count("step") == 4 and rec.events[0] == "start"
@@ -155,7 +155,7 @@ def test_too_few_steps_left_profile_inside_the_window():
 
 
 def test_time_to_target_is_the_training_time_at_the_first_epoch_that_reaches_it(monkeypatch):
-    monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m: [])
+    monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m, *_: [])
     cfg = TrainConfig(epochs=3, timing_warmup_steps=0, log_every=0, batch_size=4, loader_probe_batches=0,
                       target_accuracy=0.6)
     model = TinyNet()

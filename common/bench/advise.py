@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from ..config import UsageError
 from ..measure.memory import GIB, STRATEGIES, Setup, predict
+from ..measure.timespec import LINKS
 from ..names import classification_models
 
 HEADROOM = 0.9  # the prediction leaves out the allocator's cache, workspaces and the CUDA context
@@ -31,17 +32,43 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="resnet50", help="torchvision classification model")
     p.add_argument("--image-size", type=int, default=224, help="side of the square image, pixels")
     p.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch per optimizer step")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs (ranks) to spread it over")
-    p.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU, GiB")
+    p.add_argument("--gpus", default="1", help="GPUs (ranks) to spread it over; a list (1,2,4,8) adds the predicted "
+                   "scaling curve of every strategy (the tables are for the last)")
+    p.add_argument("--gpu-memory-gib", type=float, default=0.0, help="memory of one GPU, GiB (default: --gpu's)")
+    t = p.add_argument_group("time (common/measure/timemodel.py): give --calibration, or --gpu with "
+                             "--interconnect or --busbw-gbps")
+    t.add_argument("--calibration", default="", help="benchmark.py calibrate's file: this machine's measured inputs")
+    t.add_argument("--gpu", default="", help="a GPU by its datasheet name (as torch names it), e.g. 'Tesla P40', "
+                   "'NVIDIA A100-SXM4-80GB': compute = FLOPs / (peak x a published efficiency)")
+    t.add_argument("--interconnect", default="", help="named link between the GPUs: " + ", ".join(LINKS))
+    t.add_argument("--busbw-gbps", type=float, default=0.0, help="bus bandwidth of the collectives, GB/s")
+    t.add_argument("--dataset-images", type=int, default=50_000, help="images per epoch (CIFAR10's 50,000)")
     p.add_argument("--precision", default="fp32", help="fp32, or fp16/bf16 mixed precision")
     p.add_argument("--optimizer", default="sgd", help="sgd (momentum) or adamw")
     p.add_argument("--grad-checkpointing", action="store_true", help="predict with activation checkpointing")
 
 
 def check(opts) -> None:
+    from ..measure.timespec import GPU_MEMORY_GIB, gpu_names
+
+    try:
+        opts.gpu_counts = [int(g) for g in str(opts.gpus).split(",") if g.strip()]
+    except ValueError:
+        raise UsageError(f"--gpus {opts.gpus!r}: an integer or a comma-separated list, e.g. 1,2,4,8") from None
+    if not opts.gpu_counts or min(opts.gpu_counts) < 1:
+        raise UsageError(f"--gpus must be >= 1; got {opts.gpus}")
+    opts.gpus = opts.gpu_counts[-1]
+    if opts.gpu and opts.gpu not in gpu_names():
+        raise UsageError(f"--gpu {opts.gpu!r} is not in the datasheet table; one of: {', '.join(gpu_names())}")
+    if opts.interconnect and opts.interconnect not in LINKS:
+        raise UsageError(f"--interconnect {opts.interconnect!r} unknown; one of: {', '.join(LINKS)}")
+    if not opts.gpu_memory_gib and opts.gpu:
+        opts.gpu_memory_gib = GPU_MEMORY_GIB[opts.gpu]
+    if not opts.gpu_memory_gib and not opts.gpu:
+        raise UsageError("give --gpu-memory-gib (or --gpu NAME, whose memory the datasheet table knows)")
     if opts.model not in classification_models():
         raise UsageError(f"unknown model '{opts.model}'; any torchvision classification model, e.g. resnet50")
-    for name in ("image_size", "batch_size", "gpus"):
+    for name in ("image_size", "batch_size"):
         if getattr(opts, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(opts, name)}")
     if opts.gpu_memory_gib <= 0:
@@ -50,8 +77,9 @@ def check(opts) -> None:
         raise UsageError(f"--precision must be fp32, fp16 or bf16; got {opts.precision!r}")
     if opts.optimizer not in ("sgd", "adamw"):
         raise UsageError(f"--optimizer must be sgd or adamw; got {opts.optimizer!r}")
-    if opts.batch_size % opts.gpus:
-        raise UsageError(f"--batch-size {opts.batch_size} does not divide by --gpus {opts.gpus}")
+    for g in opts.gpu_counts:
+        if opts.batch_size % g:
+            raise UsageError(f"--batch-size {opts.batch_size} does not divide by --gpus {g}")
 
 
 def setups(opts) -> list[Setup]:
@@ -118,4 +146,8 @@ def advise(opts) -> int:
         print(f"{s.strategy:<24}{s.world_size:>5}{s.precision:>6}" + "".join(f"{gib[c]:>8.2f}" for c in cols)
               + f"{gib['peak']:>8.2f}  {fits}")
     print("recommendation: " + recommend(preds, opts))
+    if opts.calibration or opts.gpu:
+        from .advise_time import time_tables
+
+        time_tables(opts, preds)
     return 0

@@ -31,7 +31,7 @@ PROGRESS = re.compile(r"\[progress\] epoch=(\S+) step=(\S+) loss=(\S+)(?: img_s=
 def hardware() -> tuple[int, str]:
     import torch
 
-    from ..runner import device_name
+    from ..measure.fingerprint import device_name
 
     gpus = torch.cuda.device_count()
     return gpus, device_name(torch.device("cuda", 0) if gpus else torch.device("cpu"))

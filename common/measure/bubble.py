@@ -18,6 +18,7 @@ import torch
 
 from ..distributed import reduce_metrics
 from . import Instrument
+from .steptime import time_mark
 
 
 class Lane:
@@ -32,11 +33,7 @@ class Lane:
         self.pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+        return time_mark(self.device)
 
     def begin(self) -> None:
         if self.active:

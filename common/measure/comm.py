@@ -108,6 +108,26 @@ def _intersection(xs, ys) -> int:
     return total
 
 
+def _subtract(xs, ys) -> list[tuple[int, int]]:
+    """The parts of sorted union xs not covered by sorted union ys."""
+    out, j = [], 0
+    for a, b in xs:
+        while j < len(ys) and ys[j][1] <= a:
+            j += 1
+        k, lo = j, a
+        while k < len(ys) and ys[k][0] < b:
+            if ys[k][0] > lo:
+                out.append((lo, ys[k][0]))
+            lo = max(lo, ys[k][1])
+            k += 1
+        if lo < b:
+            out.append((lo, b))
+    return out
+
+
+PHASE = "phase:"  # common/train.py names the loop's phases with record_function while profiling
+
+
 def _gather_groups(events) -> dict[tuple, list[int]]:
     """Group size of each all_gather_into_tensor call, keyed by its input shape, in call order: the
     dispatcher event `c10d::_allgather_base_` records the output and the input (the backend's event
@@ -186,10 +206,19 @@ def analyze(events, n: int, steps: int) -> dict:
     comm = _union(gpu_comm if gpu_comm else cpu_comm)
     compute = _union(gpu_compute if gpu_comm else [s for t, s in cpu_ops if t not in threads])
     comm_ns = _length(comm)
+    # exposed: a collective in flight and no compute on the training side, attributed to the loop's
+    # phase it fell in (common/measure/stepparts.py takes it out of that phase)
+    exposed = _subtract(comm, compute)
+    phases: dict[str, list] = {}
+    for e in events:
+        if e.name().startswith(PHASE) and e.device_type() != torch.autograd.DeviceType.CUDA:
+            phases.setdefault(e.name()[len(PHASE):], []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
+    by_phase = {p: _intersection(exposed, _union(spans)) / 1e6 / steps for p, spans in phases.items()}
     return {"comm_bytes_per_step": payload / steps, "comm_calls_per_step": calls / steps,
             "comm_ms_per_step": comm_ns / 1e6 / steps if comm_ns else None,
             "busbw_gbps": bus_bytes / comm_ns if comm_ns else None,  # bytes per ns = GB/s
-            "comm_overlap_pct": 100.0 * _intersection(comm, compute) / comm_ns if comm_ns else None}
+            "comm_overlap_pct": 100.0 * _intersection(comm, compute) / comm_ns if comm_ns else None,
+            "exposed_ms_by_phase": by_phase}
 
 
 class CommRecorder(Instrument):
@@ -200,6 +229,7 @@ class CommRecorder(Instrument):
         self.steps, self.device, self.outside_window = steps, device, steps
         self.prof, self.done = None, 0
         self.events: list | None = None
+        self._local: dict | None = None
 
     def start(self) -> None:
         if self.prof is not None or self.events is not None:
@@ -231,10 +261,19 @@ class CommRecorder(Instrument):
         self.events = self.prof.profiler.kineto_results.events()
         self.prof = None
 
+    def local(self) -> dict:
+        if self._local is None:
+            self._local = (analyze(self.events, world_size(), self.done) if self.events is not None and self.done
+                           else dict.fromkeys(("comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step",
+                                               "busbw_gbps", "comm_overlap_pct")))
+        return self._local
+
+    def exposed_ms_per_step(self) -> dict | None:
+        """{phase: ms per step} of exposed communication over the profiled steps, None if none were."""
+        return self.local().get("exposed_ms_by_phase")
+
     def row(self) -> dict:
-        local = (analyze(self.events, world_size(), self.done) if self.events is not None and self.done
-                 else dict.fromkeys(("comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step",
-                                     "busbw_gbps", "comm_overlap_pct")))
+        local = {k: v for k, v in self.local().items() if k != "exposed_ms_by_phase"}
         out = reduce_metrics(local, self.device, "mean")
         return {k: None if v is None else round(v, 3) for k, v in out.items()}
 

@@ -2,6 +2,8 @@
 DeepSpeed on a script that does not train with it) is None: an empty cell, never 0 or a guess."""
 from __future__ import annotations
 
+import os
+import platform
 import sys
 from importlib import metadata
 
@@ -47,3 +49,16 @@ def fingerprint(device: torch.device, libraries: tuple[str, ...] = ()) -> dict:
         "deepspeed_version": _version("deepspeed", "deepspeed", "deepspeed" in libraries),
         "accelerate_version": _version("accelerate", "accelerate", "accelerate" in libraries),
     }
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() + f" x{os.cpu_count()}"
+    except OSError:
+        pass
+    return platform.processor() or "cpu"

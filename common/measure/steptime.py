@@ -20,6 +20,16 @@ from ..distributed import reduce_metrics
 from . import Instrument
 
 
+def time_mark(device: torch.device):
+    """A point in time: a CUDA event on the device's current stream (read later, no host sync now), or
+    the wall clock on CPU, where ops run synchronously."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 class StepTimes(Instrument):
     def __init__(self, device: torch.device):
         self.device = device
@@ -28,11 +38,7 @@ class StepTimes(Instrument):
         self.ms: list[float] = []
 
     def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+        return time_mark(self.device)
 
     def start(self) -> None:
         self.marks = [self._mark()]

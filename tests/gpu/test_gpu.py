@@ -281,3 +281,27 @@ def test_pipeline_bytes_on_nccl_are_the_activations_sent(tmp_path):
     (row,) = rows(tmp_path / "summary.csv")
     size, batch = int(row["image_size"]), int(row["global_batch_size"])
     assert as_float(row, "comm_bytes_per_step") == pytest.approx(pp_bytes_per_step("resnet18", size, batch), rel=0.01)
+
+
+def test_calibrated_step_model_predicts_single_and_ddp(tmp_path):
+    """benchmark.py calibrate on this GPU, then the single-device runs and DDP (every visible GPU) at the
+    calibrated setup: pred_step_ms within 15% of the median step (docs/time.md)."""
+    cal = tmp_path / "cal.json"
+    world = max(1, GPUS)
+    proc = subprocess.run([sys.executable, "benchmark.py", "calibrate", "--model", "resnet50", "--image-size", "224",
+                           "--batch-size", str(32 * world), "--world-sizes", ",".join(sorted({"1", str(world)})),
+                           "--modes", "fp32,amp_bf16" if BF16 else "fp32", "--microbatches", "0", "--out", str(cal)],
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [("pytorch_SingleGPU.py", 1, {"batch_size": 32 * world})]
+    if BF16:
+        runs.append(("pytorch_auto_mixed_precision.py", 1, {"batch_size": 32 * world, "precision": "bf16"}))
+    if world > 1:
+        runs.append(("pytorch_DDP.py", world, {"world": world}))
+    for script, nproc, over in runs:
+        out = tmp_path / script[:-3]
+        args = gpu_args(out, calibration=str(cal), max_steps=20, train_samples=32 * world * 20, **over)
+        check_ok(run(script, args, nproc=nproc, launcher="torchrun" if nproc > 1 else "python"))
+        (row,) = rows(out / "summary.csv")
+        err = as_float(row, "pred_time_error_pct")
+        assert abs(err) <= 15, (script, row["pred_step_ms"], row["step_ms_p50"], row["notes"])

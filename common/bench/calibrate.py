@@ -1,0 +1,164 @@
+"""`python benchmark.py calibrate`: the step model's inputs measured on this machine, written to
+results/calibration.json (common/measure/calibration.py says what is in it), read by every run's
+pred_step_ms and by `advise --calibration`.
+
+    python benchmark.py calibrate                                  # the smoke preset's setups, 1 and 2 ranks
+    python benchmark.py calibrate --preset seed --world-sizes 1,4  # on a 4-GPU machine
+    python benchmark.py calibrate --model resnet50 --image-size 224 --batch-size 128 --modes fp32,amp_bf16
+
+For every world size n: each compute mode at the micro-batch a data-parallel rank of n gets (the
+global batch / n) and, with --microbatches M, a pipeline's (batch / M); then the collectives at n
+ranks (benchmarks/collectives.py, fitted per kind). On a CPU the compute is measured by n processes
+at once, each with the threads a run of n ranks gets. Entries are merged into the file: a setup
+measured again replaces its entry; a file calibrated on another device is replaced whole.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from ..config import UsageError
+from ..names import classification_models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODES = ("fp32", "amp_fp16", "amp_bf16", "pure_fp16", "pure_bf16")
+
+
+def add_args(p) -> None:
+    p.add_argument("--preset", default="smoke", help="take model, image size, batch and optimizer from this preset")
+    p.add_argument("--matrix", default=os.path.join(ROOT, "config", "benchmark.yaml"), help="matrix file")
+    p.add_argument("--model", default="", help="override the preset's model")
+    p.add_argument("--image-size", type=int, default=0, help="override the preset's image size")
+    p.add_argument("--batch-size", type=int, default=0, help="override the preset's GLOBAL batch")
+    p.add_argument("--optimizer", default="", help="override the preset's optimizer (sgd, adamw)")
+    p.add_argument("--modes", default="fp32", help=f"compute modes, comma-separated: {', '.join(MODES)}")
+    p.add_argument("--world-sizes", default="", help="rank counts, e.g. 1,2 (default: 1 and 2 on CPU, 1 and every "
+                   "GPU on a GPU machine)")
+    p.add_argument("--microbatches", type=int, default=4, help="also the micro-batch of a pipeline of M (0 = no)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--threads", type=int, default=0, help="CPU threads per process (default: the cores / the "
+                   "ranks, benchmark.py's OMP_NUM_THREADS rule)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per setup (after 3 warm-up steps)")
+    p.add_argument("--link-max-bytes", default="16M", help="largest collective message timed (K, M, G suffixes)")
+    p.add_argument("--out", default=os.path.join("results", "calibration.json"), help="the calibration file")
+
+
+def _worker(spec: dict) -> dict:
+    import torch
+
+    from ..measure.calibration import measure_compute
+
+    device = torch.device(spec["device"])
+    return measure_compute(spec["model"], spec["image_size"], spec["batch"], spec["mode"], spec["optimizer"],
+                           device, steps=spec["steps"])
+
+
+def _spawn(spec: dict, procs: int, threads: int) -> dict:
+    """`procs` measuring processes at once; the slowest one's figures (it sets a synchronous step's pace)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "common.bench.calibrate", json.dumps(spec)]
+    running = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in range(procs)]
+    got = []
+    for proc in running:
+        out, err = proc.communicate()
+        if proc.returncode:
+            raise UsageError(f"calibration of {spec} failed: {(err.strip().splitlines() or ['?'])[-1]}")
+        got.append(json.loads(out.strip().splitlines()[-1]))
+    return {k: max(g[k] for g in got) for k in got[0]}
+
+
+def _links(world: int, device: str, threads: int, max_bytes: str = "16M") -> dict:
+    from ..measure.calibration import fit_link
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "c.json")
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(world),
+               "--master_port", str(_free_port()), os.path.join(ROOT, "benchmarks", "collectives.py"),
+               "--device", device, "--min-bytes", "16K", "--max-bytes", max_bytes, "--iters", "10", "--json", out]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode or not os.path.exists(out):
+            raise UsageError(f"benchmarks/collectives.py at {world} ranks failed: "
+                             f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        with open(out) as fh:
+            points = json.load(fh)["points"]
+    return fit_link([tuple(p) for p in points], world)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def calibrate(opts) -> int:
+    import torch
+    import yaml
+
+    from ..measure.calibration import fingerprint, key, load, save
+
+    with open(opts.matrix) as fh:
+        presets = (yaml.safe_load(fh) or {}).get("presets", {})
+    if opts.preset not in presets:
+        raise UsageError(f"unknown preset '{opts.preset}'; choose from {', '.join(sorted(presets))}")
+    args = presets[opts.preset].get("args", {})
+    model = opts.model or args.get("model", "resnet50")
+    image = opts.image_size or int(args.get("image_size", 224))
+    batch = opts.batch_size or int(args.get("batch_size", 128))
+    optimizer = opts.optimizer or args.get("optimizer", "sgd")
+    modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
+    if model not in classification_models():
+        raise UsageError(f"unknown model '{model}'")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise UsageError(f"--modes: {', '.join(bad)} unknown; choose from {', '.join(MODES)}")
+    cuda = opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device here")
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    cores = os.cpu_count() or 1
+    try:
+        worlds = [int(w) for w in opts.world_sizes.split(",")] if opts.world_sizes else \
+            sorted({1, torch.cuda.device_count()} if cuda else {1, 2})
+    except ValueError:
+        raise UsageError(f"--world-sizes {opts.world_sizes!r}: comma-separated integers") from None
+    if min(worlds) < 1:
+        raise UsageError("--world-sizes: every size must be >= 1")
+    data = load(opts.out) or {}
+    fp = fingerprint(device)
+    if data.get("device_name") != fp["device_name"]:
+        data = {**fp, "compute": {}, "links": {}}
+    for n in worlds:
+        procs = 1 if cuda else n
+        threads = 1 if cuda else (opts.threads or max(1, cores // n))
+        micro = {max(1, batch // n)} | ({max(1, batch // opts.microbatches)} if opts.microbatches and n > 1 else set())
+        for mode in modes:
+            for b in sorted(micro):
+                spec = {"model": model, "image_size": image, "batch": b, "mode": mode, "optimizer": optimizer,
+                        "device": str(device), "steps": opts.steps}
+                got = _spawn(spec, procs, threads)
+                k = key(model, image, b, mode, optimizer, procs, threads)
+                data["compute"][k] = {m: round(v, 4) for m, v in got.items()}
+                print(f"compute {k}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
+                      f"optimizer {got['opt_ms']:.2f} ms", flush=True)
+        if n > 1:
+            links = _links(n, device.type, threads, opts.link_max_bytes)
+            data["links"][str(n)] = links
+            for kind, v in links.items():
+                print(f"link {n} ranks {kind}: latency {v['latency_us']:.1f} us, busbw {v['busbw_gbps']:.3f} GB/s",
+                      flush=True)
+    save(opts.out, data)
+    print(f"calibration: {opts.out}")
+    return 0
+
+
+if __name__ == "__main__":  # one measuring process (spawned by _spawn)
+    print(json.dumps(_worker(json.loads(sys.argv[1]))))

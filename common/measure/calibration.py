@@ -1,0 +1,168 @@
+"""The step model's measured inputs: what `python benchmark.py calibrate` writes and the rows read.
+
+results/calibration.json holds, with the machine's fingerprint (device name, CPU threads):
+  compute  per (model, image size, micro-batch, compute mode, optimizer, processes, threads): the
+           median forward, backward and optimizer-step time of one process, ms. Measured with the
+           device synchronized around each phase, after warm-up steps, on a plain torchvision model
+           (no wrapper). On a CPU `procs` processes measure at once, each with the threads a run of
+           that many ranks gets (benchmark.py's OMP_NUM_THREADS rule): two ranks on two cores compete
+           for the cores and the memory bandwidth as the real run's ranks do; the slowest process
+           counts. On a GPU one process measures (each rank has its own device).
+  links    per world size: latency (us) and bus bandwidth (GB/s) of each collective, fitted to
+           benchmarks/collectives.py over message sizes (t = latency + S x bus factor / busbw).
+Compute modes: fp32; amp_fp16/amp_bf16 (autocast: DDP, ZeRO, accelerate DDP, FSDP's param_dtype is
+close to it); pure_fp16/pure_bf16 (the model in half: pytorch_half_precision.py, DeepSpeed).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from ..precision import DTYPES
+
+DEFAULT = "results/calibration.json"
+
+
+def compute_mode(strategy: str, precision: str) -> str:
+    if precision not in ("fp16", "bf16"):
+        return "fp32"
+    pure = strategy == "half" or strategy.startswith(("deepspeed", "accelerate_deepspeed"))
+    return ("pure_" if pure else "amp_") + precision
+
+
+def fingerprint(device: torch.device) -> dict:
+    from .fingerprint import device_name
+
+    return {"device_name": device_name(device), "device_type": device.type}
+
+
+def measure_compute(model_name: str, image_size: int, batch: int, mode: str, optimizer: str,
+                    device: torch.device, steps: int = 6, warmup: int = 3, channels_last: bool = False) -> dict:
+    """Median forward, backward, optimizer ms of one process on a plain model (random weights)."""
+    import types
+
+    from ..distributed import synchronize
+    from ..models import build_model
+
+    spec = types.SimpleNamespace(model=model_name, channels_last=channels_last, grad_checkpointing=False)
+    model = build_model(spec, pretrained=False).to(device)
+    half = DTYPES.get(mode.split("_")[-1]) if mode != "fp32" else None
+    if mode.startswith("pure_"):
+        model = model.to(half)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = (torch.optim.AdamW(params, lr=1e-3) if optimizer == "adamw"
+           else torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=5e-4))
+    x = torch.randn(batch, 3, image_size, image_size, device=device,
+                    dtype=half if mode.startswith("pure_") else torch.float32)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (batch,), device=device)
+    ctx = torch.autocast(device.type, dtype=half) if mode.startswith("amp_") else nullcontext()
+    fwd, bwd, stp = [], [], []
+    for i in range(warmup + steps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        with ctx:
+            loss = F.cross_entropy(model(x).float(), y)
+        synchronize(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        synchronize(device)
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        synchronize(device)
+        t3 = time.perf_counter()
+        if i >= warmup:
+            fwd.append((t1 - t0) * 1e3)
+            bwd.append((t2 - t1) * 1e3)
+            stp.append((t3 - t2) * 1e3)
+    return {"fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd), "opt_ms": statistics.median(stp)}
+
+
+def key(model: str, image_size: int, batch: int, mode: str, optimizer: str, procs: int, threads: int,
+        channels_last: bool = False) -> str:
+    return f"{model}|{image_size}|{batch}|{mode}|{optimizer}|p{procs}|t{threads}|cl{int(channels_last)}"
+
+
+def load(path: str) -> dict | None:
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and "compute" in data else None
+
+
+def save(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def find_compute(data: dict, device_name: str, model: str, image_size: int, batch: int, mode: str,
+                 optimizer: str, procs: int, threads: int, channels_last: bool = False) -> tuple[dict | None, str]:
+    """The calibration entry of a run, or (None, why). A batch that was not measured is scaled from
+    the nearest measured one of the same setup (time linear in the batch; said in the source)."""
+    if data is None:
+        return None, "no calibration file"
+    if data.get("device_name") != device_name:
+        return None, f"calibrated on {data.get('device_name')}, not {device_name}"
+    compute = data["compute"]
+    k = key(model, image_size, batch, mode, optimizer, procs, threads, channels_last)
+    if k in compute:
+        return compute[k], f"calibrated {k}"
+    stem = key(model, image_size, 0, mode, optimizer, procs, threads, channels_last).split("|")
+    near = []
+    for other, v in compute.items():
+        parts = other.split("|")
+        if parts[:2] == stem[:2] and parts[3:] == stem[3:]:
+            near.append((abs(int(parts[2]) - batch), int(parts[2]), other, v))
+    if not near:
+        return None, f"nothing calibrated for {k}"
+    _, b, other, v = min(near)
+    scale = batch / b
+    return ({"fwd_ms": v["fwd_ms"] * scale, "bwd_ms": v["bwd_ms"] * scale, "opt_ms": v["opt_ms"]},
+            f"scaled x{scale:.2f} from {other}")
+
+
+def find_link(data: dict | None, world: int):
+    """The Link of a world size from the file, or None."""
+    from .timemodel import Link
+
+    if data is None:
+        return None
+    got = data.get("links", {}).get(str(world))
+    if not got:
+        return None
+    return Link(busbw_gbps={k: v["busbw_gbps"] for k, v in got.items()},
+                latency_us={k: v["latency_us"] for k, v in got.items()}, source=f"calibrated at {world} ranks")
+
+
+def fit_link(points: list[tuple[str, int, float]], world: int) -> dict:
+    """Least squares of t = latency + S x factor / busbw per collective kind, from (kind, S bytes, s)."""
+    from .comm import bus_factor
+
+    out = {}
+    for kind in sorted({k for k, _, _ in points}):
+        xs = [s * bus_factor(kind, world) for k, s, _ in points if k == kind]
+        ts = [t for k, _, t in points if k == kind]
+        mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / var if var else 0.0
+        lat = max(0.0, mt - slope * mx)
+        out[kind] = {"latency_us": round(lat * 1e6, 3), "busbw_gbps": round(1 / slope / 1e9, 4) if slope > 0 else 1e3}
+    return out

@@ -1,0 +1,324 @@
+"""The step model: the predicted time of one optimizer step, by component, for every strategy.
+
+    predict_step(setup, Compute(fwd_ms=.., bwd_ms=.., opt_ms=..), Link(...), overlap=True)
+
+Built from the model itself, as the memory model is: its units (a ResNet's stem, every block, the
+head; other families one unit) with their share of the forward FLOPs (torch.utils.flop_counter on
+the meta device) and their parameters in registration order. The forward and backward times of one
+micro-batch (measured by `benchmark.py calibrate`, or FLOPs / (peak x efficiency) for a GPU named
+to `advise`) are spread over the units by that share. Then each strategy's collectives are put where
+its library issues them, and a two-resource schedule (compute, communication) runs them in program
+order; a collective starts when its inputs are ready and the link is free:
+  ddp, accelerate_ddp    gradient buckets in reverse parameter order (first bucket 1 MiB, then 25 MiB:
+                         torch/nn/parallel/distributed.py, dist._DEFAULT_FIRST_BUCKET_BYTES), each
+                         all-reduced as soon as its last gradient is ready, buckets in order (the
+                         Reducer launches bucket i only after bucket i-1)
+  ddp_zero               as ddp, then the optimizer on 1/n of the parameters, then every parameter
+                         broadcast from its owner (ZeroRedundancyOptimizer._sync_params, one call per
+                         parameter without parameters_as_bucket_view)
+  fsdp_full-shard        FSDP2: per unit an all-gather before its forward (issued ahead: the CPU runs
+                         ahead of the device), again before its backward (prefetched one unit ahead,
+                         FSDP2's default), a reduce-scatter after it; the optimizer on 1/n
+  fsdp_shard-grad-op     the same without the backward all-gathers (reshard_after_forward=False)
+  deepspeed_zero1/2      gradients reduce-scattered in reduce_bucket_size buckets as they are ready
+                         (overlap_comm), the optimizer on 1/n, then the updated weights all-gathered
+                         (deepspeed/runtime/zero/stage_1_and_2.py)
+  deepspeed_zero3        as fsdp_full-shard, units as above
+  dp                     (one process, n GPUs) weights broadcast and gradients reduced, not overlapped
+  pp_*                   GPipe and 1F1B: (m + s - 1) slots of the slowest stage's forward and backward
+                         of one micro-batch (both schedules have the same bubble), plus each slot's
+                         activation send and gradient receive; the optimizer of the largest stage
+Collective time: latency + S x bus factor / bus bandwidth (nccl-tests doc/PERFORMANCE.md, the same
+S and factors as the communication columns).
+
+overlap=False puts communication and compute on one resource: on a CPU the gloo threads run on the
+cores the training thread uses, so nothing is hidden (comm_overlap_pct there is concurrency only).
+On a GPU NCCL kernels run beside compute kernels: overlap=True.
+
+Components, as the measured step_*_ms columns: data, compute (forward + backward), comm_exposed (the
+schedule's length beyond compute, plus the collectives after the optimizer), optimizer.
+Known limits: no kernel-level contention between overlapped collectives and compute (NCCL takes
+SMs), per-unit (not per-layer) readiness, the loader as measured or ignored, no host overhead of a
+wrapper (DeepSpeed's hooks) beyond what the calibration's plain model shows.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from .comm import bus_factor
+from .memory import DS_REDUCE_BUCKET, ITEMSIZE, Setup, meta_model
+
+FIRST_BUCKET_BYTES = 1024 ** 2  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+BUCKET_BYTES = 25 * 1024 ** 2  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB
+
+
+@dataclass(frozen=True)
+class Compute:
+    """One rank's compute for one micro-batch at the run's precision, ms."""
+    fwd_ms: float  # forward and loss
+    bwd_ms: float  # backward
+    opt_ms: float  # optimizer step over ALL the model's parameters (sharded strategies take 1/n)
+    data_ms: float = 0.0  # waiting for and copying one micro-batch
+    source: str = ""  # where the figures come from (calibration file and entry, or the datasheet)
+
+
+@dataclass(frozen=True)
+class Link:
+    """Collective time = latency + S x bus factor / busbw, per kind (falling back to all_reduce's)."""
+    busbw_gbps: dict = field(default_factory=lambda: {"all_reduce": 10.0})  # GB/s = 1e9 B/s
+    latency_us: dict = field(default_factory=lambda: {"all_reduce": 20.0})
+    source: str = ""
+
+    def ms(self, kind: str, nbytes: float, n: int) -> float:
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        bw = self.busbw_gbps.get(kind, self.busbw_gbps.get("all_reduce"))
+        lat = self.latency_us.get(kind, self.latency_us.get("all_reduce", 0.0))
+        return lat / 1e3 + nbytes * bus_factor(kind, n) / (bw * 1e9) * 1e3
+
+
+@dataclass
+class StepPrediction:
+    data_ms: float = 0.0
+    compute_ms: float = 0.0
+    comm_exposed_ms: float = 0.0
+    optimizer_ms: float = 0.0
+    comm_ms: float = 0.0  # every collective's time, hidden or not
+    notes: list = field(default_factory=list)
+
+    @property
+    def step_ms(self) -> float:
+        return self.data_ms + self.compute_ms + self.comm_exposed_ms + self.optimizer_ms
+
+    def parts(self) -> dict:
+        return {"data": self.data_ms, "compute": self.compute_ms, "comm_exposed": self.comm_exposed_ms,
+                "optimizer": self.optimizer_ms}
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    share: float  # of the forward FLOPs
+    params: tuple  # element counts of its parameters, registration order
+
+
+@functools.lru_cache(maxsize=16)
+def units(model_name: str, image_size: int) -> tuple[Unit, ...]:
+    """Forward-order units: stem, every ResNet block, head; other families one unit."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..models import stages
+
+    model = meta_model(model_name)
+    blocks = [(f"{n}.{i}", b) for n, s in zip(("layer1", "layer2", "layer3", "layer4"), stages(model))
+              for i, b in enumerate(s)]
+    with torch.device("meta"), FlopCounterMode(display=False) as counter:
+        model(torch.empty(2, 3, image_size, image_size))
+    counts = {k.split(".", 1)[1] if "." in k else "": sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    total = max(1, counts.get("", 0) or sum(counts.get(n, 0) for n, _ in blocks))
+    if not blocks:
+        return (Unit("model", 1.0, tuple(p.numel() for p in model.parameters())),)
+    inner = {id(p) for _, b in blocks for p in b.parameters()}
+    head_mods = {m for name, m in model.named_children() if name in ("fc", "classifier", "head", "heads")}
+    head_ids = {id(p) for m in head_mods for p in m.parameters()}
+    stem = tuple(p.numel() for p in model.parameters() if id(p) not in inner and id(p) not in head_ids)
+    head = tuple(p.numel() for p in model.parameters() if id(p) in head_ids)
+    shares = {n: counts.get(n, 0) / total for n, _ in blocks}
+    head_share = sum(counts.get(n, 0) for n, m in model.named_children() if m in head_mods) / total
+    out = [Unit("stem", max(0.0, 1.0 - sum(shares.values()) - head_share), stem)]
+    out += [Unit(n, shares[n], tuple(p.numel() for p in b.parameters())) for n, b in blocks]
+    return tuple(out + [Unit("head", head_share, head)])
+
+
+class _Schedule:
+    """Tasks in program order on named resources; each starts when its resource is free and its
+    dependencies have ended. With overlap=False every resource is the same one."""
+
+    def __init__(self, overlap: bool):
+        self.overlap, self.free, self.end = overlap, {}, []
+        self.comm = 0.0
+
+    def add(self, resource: str, ms: float, deps=()) -> int:
+        res = resource if self.overlap else "one"
+        start = max([self.free.get(res, 0.0), *(self.end[d] for d in deps)])
+        self.end.append(start + ms)
+        self.free[res] = self.end[-1]
+        if resource == "comm":
+            self.comm += ms
+        return len(self.end) - 1
+
+    @property
+    def length(self) -> float:
+        return max(self.end, default=0.0)
+
+
+def _buckets(params: list[tuple[int, int]], elem_bytes: int, first: int, cap: int) -> list[tuple[int, float]]:
+    """DDP's assignment: (unit, elements) of every parameter in reverse order, into buckets closed at
+    the cap (the first at `first`). Each bucket as (the unit whose backward makes it ready, bytes):
+    backward runs the units in reverse, so the bucket's earliest unit is the last to be ready."""
+    out, units_, size = [], [], 0
+    for unit, numel in reversed(params):
+        units_.append(unit)
+        size += numel * elem_bytes
+        if size >= (first if not out else cap):
+            out.append((min(units_), float(size)))
+            units_, size = [], 0
+    return out + [(min(units_), float(size))] if units_ else out
+
+
+def _forward_backward(s: _Schedule, us, c: Compute) -> tuple[list[int], list[int]]:
+    fwd, bwd, last = [], [None] * len(us), ()
+    for u in us:
+        fwd.append(s.add("compute", c.fwd_ms * u.share, last))
+        last = (fwd[-1],)
+    for i in reversed(range(len(us))):
+        bwd[i] = s.add("compute", c.bwd_ms * us[i].share, last)
+        last = (bwd[i],)
+    return fwd, bwd
+
+
+def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strategy: str | None = None,
+                 microbatches: int = 1, stages: list[int] | None = None) -> StepPrediction:
+    """The predicted step of `setup` (its strategy, or `strategy` for pp_* that the memory model does not
+    know); c is one rank's compute at the setup's micro-batch."""
+    st = strategy or setup.strategy
+    n = setup.world_size
+    us = units(setup.model, setup.image_size)
+    numel = sum(sum(u.params) for u in us)
+    w_bytes = ITEMSIZE.get(setup.precision, 4) if st.startswith(("deepspeed", "accelerate_deepspeed")) else 4
+    g_bytes = w_bytes
+    half = setup.precision in ("fp16", "bf16")
+    if half and st.startswith(("fsdp", "accelerate_fsdp")):
+        w_bytes = 2  # gathered in param_dtype; reduced in fp32 (pytorch_FSDP.py reduce_dtype)
+        g_bytes = 2 if st.startswith("accelerate_fsdp") else 4
+    p = StepPrediction(data_ms=c.data_ms * setup.grad_accum)
+    if st.startswith("pp_"):
+        return _pipeline(p, us, c, link, overlap, n, microbatches, stages or [], setup)
+    s = _Schedule(overlap)
+    accum = setup.grad_accum
+    for _ in range(accum - 1):  # micro-batches before the last: no gradient communication (no_sync)
+        _forward_backward(s, us, c)
+    shard = 1.0
+    post = 0.0  # collectives after the optimizer step, exposed
+    if st in ("single", "half", "amp") or n == 1 and st not in ("dp",):
+        _forward_backward(s, us, c)
+    elif st == "dp":
+        _forward_backward(s, us, c)
+        post = link.ms("broadcast", numel * 4, 2) + link.ms("reduce", numel * 4, 2)  # torch.cuda.comm, per GPU
+    elif st in ("ddp", "accelerate_ddp", "ddp_zero", "deepspeed_zero0"):
+        _, bwd = _forward_backward(s, us, c)
+        params = [(i, x) for i, u in enumerate(us) for x in u.params]
+        prev = ()
+        for unit, nbytes in _buckets(params, g_bytes, FIRST_BUCKET_BYTES, BUCKET_BYTES):
+            prev = (s.add("comm", link.ms("all_reduce", nbytes, n), (bwd[unit], *prev)),)
+        if st == "ddp_zero":
+            shard = 1.0 / n
+            post = sum(link.ms("broadcast", x * w_bytes, 2) for _, x in params)  # one call per parameter
+    elif st.startswith(("fsdp_full-shard", "fsdp_shard-grad-op", "fsdp_hybrid", "accelerate_fsdp",
+                        "deepspeed_zero3", "accelerate_deepspeed_zero3")):
+        shard = 1.0 / n
+        regather = not st.startswith("fsdp_shard-grad-op")
+        _fsdp(s, us, c, link, n, w_bytes, g_bytes, regather)
+    elif st.startswith(("deepspeed_zero1", "deepspeed_zero2", "accelerate_deepspeed_zero1",
+                        "accelerate_deepspeed_zero2")):
+        _, bwd = _forward_backward(s, us, c)
+        params = [(i, x) for i, u in enumerate(us) for x in u.params]
+        cap = int(setup.zero.get("reduce_bucket_size", DS_REDUCE_BUCKET)) * g_bytes
+        prev = ()
+        for unit, nbytes in _buckets(params, g_bytes, cap, cap):
+            prev = (s.add("comm", link.ms("reduce_scatter", nbytes, n), (bwd[unit], *prev)),)
+        shard = 1.0 / n
+        post = link.ms("all_gather", numel * w_bytes, n)
+    else:
+        _forward_backward(s, us, c)
+        p.notes.append(f"{st}: no communication model; compute and optimizer only")
+    compute = (c.fwd_ms + c.bwd_ms) * accum
+    p.compute_ms = compute
+    p.comm_exposed_ms = max(0.0, s.length - compute) + post
+    p.comm_ms = s.comm + post
+    p.optimizer_ms = c.opt_ms * shard
+    return p
+
+
+def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_bytes: int, regather: bool) -> None:
+    """FSDP2 (and ZeRO-3) per unit; the stem and head form the root unit, gathered first."""
+    root = sum(us[0].params) + sum(us[-1].params) if len(us) > 1 else 0
+    blocks = list(range(1, len(us) - 1)) if len(us) > 1 else [0]
+    size = {i: sum(us[i].params) for i in blocks}
+    ag_root = s.add("comm", link.ms("all_gather", root * w_bytes, n)) if root else None
+    last = (ag_root,) if ag_root is not None else ()
+    fwd = {}
+    if len(us) > 1:
+        fwd[0] = s.add("compute", c.fwd_ms * us[0].share, last)
+        last = (fwd[0],)
+    for i in blocks:
+        ag = s.add("comm", link.ms("all_gather", size[i] * w_bytes, n), (ag_root,) if ag_root is not None else ())
+        fwd[i] = s.add("compute", c.fwd_ms * us[i].share, (*last, ag))
+        last = (fwd[i],)
+    if len(us) > 1:
+        last = (s.add("compute", c.fwd_ms * us[-1].share + c.bwd_ms * us[-1].share, last),)
+    order = list(reversed(blocks))
+    gathers = {}
+    for k, i in enumerate(order):
+        if regather and i not in gathers:  # the unit itself (only the first has no prefetch)
+            gathers[i] = s.add("comm", link.ms("all_gather", size[i] * w_bytes, n), last)
+        if regather and k + 1 < len(order):  # prefetch the next unit's gather when this one starts
+            j = order[k + 1]
+            gathers[j] = s.add("comm", link.ms("all_gather", size[j] * w_bytes, n), last)
+        b = s.add("compute", c.bwd_ms * us[i].share, (*last, gathers[i]) if regather else last)
+        s.add("comm", link.ms("reduce_scatter", size[i] * g_bytes, n), (b,))
+        last = (b,)
+    if len(us) > 1:
+        b = s.add("compute", c.bwd_ms * us[0].share, last)
+        s.add("comm", link.ms("reduce_scatter", root * g_bytes, n), (b,))
+
+
+def _pipeline(p: StepPrediction, us, c: Compute, link: Link, overlap: bool, n: int, m: int, stages: list[int],
+              setup: Setup) -> StepPrediction:
+    """c is the compute of ONE micro-batch through the whole model; stages: ResNet stages per piece."""
+    shares, params, cut_bytes = _stage_split(us, stages or [4], setup)
+    slot_f = max(shares) * c.fwd_ms
+    slot_b = max(shares) * c.bwd_ms
+    slots = m + len(shares) - 1
+    send = sum(link.ms("send", b, 2) for b in cut_bytes)  # one activation forward, one gradient back
+    p.compute_ms = slots * (slot_f + slot_b)
+    p.comm_ms = 2 * m * send
+    p.comm_exposed_ms = p.comm_ms if not overlap else 2 * send * (len(shares) - 1)
+    p.optimizer_ms = c.opt_ms * max(params) / max(1, sum(params))
+    return p
+
+
+def _stage_split(us, counts: list[int], setup: Setup) -> tuple[list[float], list[int], list[float]]:
+    """Per pipeline stage: forward share and parameters; the activation bytes crossing each cut."""
+    layer_of = [u.name.split(".")[0] for u in us]
+    order = ["layer1", "layer2", "layer3", "layer4"]
+    bounds, first = [], 0
+    for k in counts:
+        bounds.append(order[first:first + k])
+        first += k
+    shares, params = [], []
+    for si, layers in enumerate(bounds):
+        pick = [i for i, name in enumerate(layer_of) if name in layers or (name == "stem" and si == 0)
+                or (name == "head" and si == len(bounds) - 1)]
+        shares.append(sum(us[i].share for i in pick))
+        params.append(sum(sum(us[i].params) for i in pick))
+    cut_bytes = [_activation_bytes(setup, layers[-1]) for layers in bounds[:-1]]
+    return shares, params, cut_bytes
+
+
+def _activation_bytes(setup: Setup, layer: str) -> float:
+    model = meta_model(setup.model)
+    out = {}
+    handle = model.get_submodule(layer).register_forward_hook(lambda _m, _i, o: out.setdefault("o", o))
+    micro = max(1, setup.batch_size // max(1, setup.grad_accum))
+    with torch.device("meta"):
+        model(torch.empty(micro, 3, setup.image_size, setup.image_size))
+    handle.remove()
+    return out["o"].numel() * 4 / max(1, micro) * micro  # per micro-batch: scaled by the caller's m
+
+
+def describe(p: StepPrediction) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in p.parts().items()) + f" ms = {p.step_ms:.1f} ms"

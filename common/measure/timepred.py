@@ -1,0 +1,81 @@
+"""pred_step_ms, pred_img_s, pred_time_error_pct: the step model's prediction for this run, beside
+what it measured.
+
+The prediction (common/measure/timemodel.py) takes this run's setup (strategy, world size, precision,
+micro-batch, optimizer: the memory model's Setup, or a pipeline's schedule) and the measured inputs
+of `python benchmark.py calibrate` for this machine (--calibration, default results/calibration.json):
+one process's forward, backward and optimizer time at the run's micro-batch and compute mode, and
+the collectives' latency and bus bandwidth at the run's world size. The input pipeline's time per
+step comes from this run's loader_img_s (measured before training) when the loader runs in the
+training process (--workers 0); with workers it is taken as hidden. Nothing of the timed window
+enters the prediction. pred_time_error_pct = (pred_step_ms - step_ms_p50) / step_ms_p50 x 100: the
+median step, which a pause or a slow first step does not move. Without a calibration for the run the
+columns stay empty and the notes say what is missing.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..distributed import world_size
+from . import Instrument
+from .calibration import DEFAULT, compute_mode, find_compute, find_link, load
+from .timemodel import Compute, Link, predict_step
+
+
+class TimePrediction(Instrument):
+    def __init__(self, cfg, setup, device: torch.device, steptimes, loader_img_s: float | None, strategy: str):
+        self.cfg, self.setup, self.device, self.steptimes = cfg, setup, device, steptimes
+        self.loader_img_s, self.strategy = loader_img_s, strategy
+
+    def predict(self):
+        """(StepPrediction, None) or (None, why)."""
+        cfg, s = self.cfg, self.setup
+        if s is None:
+            return None, "no step model for this script"
+        path = getattr(cfg, "calibration", "") or DEFAULT
+        data = load(path)
+        from .fingerprint import device_name
+
+        pp = self.strategy.startswith("pp_")
+        micro = s.batch_size // cfg.microbatches if pp else s.micro_batch
+        mode = compute_mode(s.strategy, s.precision)
+        cuda = self.device.type == "cuda"
+        procs = 1 if cuda else int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+        c, why = find_compute(data, device_name(self.device), s.model, s.image_size, micro, mode, s.optimizer,
+                              procs, 1 if cuda else torch.get_num_threads(), s.channels_last)
+        if c is None:
+            return None, f"{why} in {path}: run benchmark.py calibrate"
+        link = find_link(data, s.world_size) if s.world_size > 1 else Link()
+        if link is None:
+            return None, f"no collectives calibrated at {s.world_size} ranks in {path}: run benchmark.py calibrate"
+        data_ms = 0.0
+        if cfg.workers == 0 and self.loader_img_s:
+            data_ms = micro * (1 if pp else world_size()) / self.loader_img_s * 1e3
+        compute = Compute(c["fwd_ms"], c["bwd_ms"], c["opt_ms"], data_ms, why)
+        stages = None
+        if pp:
+            from ..pipeline import plan
+            from .memory import meta_model
+
+            stages = plan(meta_model(s.model), s.world_size, cfg.split)
+        return predict_step(s, compute, link, overlap=cuda, strategy=self.strategy,
+                            microbatches=getattr(cfg, "microbatches", 1), stages=stages), None
+
+    def row(self) -> dict:
+        out = dict.fromkeys(("pred_step_ms", "pred_img_s", "pred_time_error_pct"))
+        # a collective: every rank calls it, whatever the prediction does
+        measured = self.steptimes.row().get("step_ms_p50") if self.steptimes is not None else None
+        try:
+            pred, why = self.predict()
+        except Exception as exc:  # a prediction must never cost the run its row
+            pred, why = None, f"{type(exc).__name__}: {exc}"
+        if pred is None:
+            out["notes"] = f"pred_step_ms: {why}"
+            return out
+        out["pred_step_ms"] = round(pred.step_ms, 3)
+        out["pred_img_s"] = round(self.cfg.batch_size / pred.step_ms * 1e3, 2) if pred.step_ms else None
+        if measured:
+            out["pred_time_error_pct"] = round(100 * (pred.step_ms - measured) / measured, 2)
+        return out
