@@ -120,17 +120,13 @@ class Result:
     folder: Path
     proc: subprocess.CompletedProcess
     resume_saved: bool = False  # the run wrote its epoch checkpoint (deleted since)
-    _rows: list = field(default_factory=list)
-
-    @property
-    def rows(self) -> list[dict]:
-        return self._rows
+    rows: list = field(default_factory=list)
 
     @property
     def row(self) -> dict:
         """The run's one row (a test reading it asserts there is exactly one)."""
-        assert len(self._rows) == 1, (len(self._rows), self.proc.stderr[-3000:])
-        return self._rows[0]
+        assert len(self.rows) == 1, (len(self.rows), self.proc.stderr[-3000:])
+        return self.rows[0]
 
     def final(self) -> Path:
         return self.folder / "ckpt" / self.launch.script[:-3] / "model_final.pt"

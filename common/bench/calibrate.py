@@ -6,6 +6,9 @@ pred_step_ms and by `advise --calibration`.
     python benchmark.py calibrate --preset seed --world-sizes 1,4  # on a 4-GPU machine
     python benchmark.py calibrate --model resnet50 --image-size 224 --batch-size 128 --modes fp32,amp_bf16
 
+Compute is measured by the project's own single-device scripts (pytorch_SingleGPU.py, and
+pytorch_auto_mixed_precision.py / pytorch_half_precision.py for the half modes): their
+step_compute_ms and step_optimizer_ms over the timed window, so the loop's own cost is in the input.
 For every world size n: each compute mode at the micro-batch a data-parallel rank of n gets (the
 global batch / n) and, with --microbatches M, a pipeline's (batch / M); then the collectives at n
 ranks (benchmarks/collectives.py, fitted per kind). On a CPU the compute is measured by n processes
@@ -41,36 +44,48 @@ def add_args(p) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--threads", type=int, default=0, help="CPU threads per process (default: the cores / the "
                    "ranks, benchmark.py's OMP_NUM_THREADS rule)")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per setup (after 3 warm-up steps)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per setup (after 3 warm-up steps)")
     p.add_argument("--link-max-bytes", default="16M", help="largest collective message timed (K, M, G suffixes)")
     p.add_argument("--out", default=os.path.join("results", "calibration.json"), help="the calibration file")
 
 
-def _worker(spec: dict) -> dict:
-    import torch
-
-    from ..measure.calibration import measure_compute
-
-    device = torch.device(spec["device"])
-    return measure_compute(spec["model"], spec["image_size"], spec["batch"], spec["mode"], spec["optimizer"],
-                           device, steps=spec["steps"])
+SCRIPT = {"fp32": ("pytorch_SingleGPU.py", None), "amp_fp16": ("pytorch_auto_mixed_precision.py", "fp16"),
+          "amp_bf16": ("pytorch_auto_mixed_precision.py", "bf16"), "pure_fp16": ("pytorch_half_precision.py", "fp16"),
+          "pure_bf16": ("pytorch_half_precision.py", "bf16")}
 
 
 def _spawn(spec: dict, procs: int, threads: int) -> dict:
-    """`procs` measuring processes at once; the slowest one's figures (it sets a synchronous step's pace)."""
+    """`procs` single-device runs at once (the project's own loop, its step_compute_ms and
+    step_optimizer_ms); the slowest one's figures (it sets a synchronous step's pace). Forward and
+    backward are split 1:2, as their FLOPs are."""
+    from ..results import read_rows
+
+    script, precision = SCRIPT[spec["mode"]]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "common.bench.calibrate", json.dumps(spec)]
-    running = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for _ in range(procs)]
-    got = []
-    for proc in running:
-        out, err = proc.communicate()
-        if proc.returncode:
-            raise UsageError(f"calibration of {spec} failed: {(err.strip().splitlines() or ['?'])[-1]}")
-        got.append(json.loads(out.strip().splitlines()[-1]))
-    return {k: max(g[k] for g in got) for k in got[0]}
+    warmup, steps, b = 3, spec["steps"], spec["batch"]
+    with tempfile.TemporaryDirectory() as tmp:
+        running = []
+        for i in range(procs):
+            cmd = [sys.executable, script, "--device", spec["device"], "--dataset", "synthetic", "--no-pretrained",
+                   "--model", spec["model"], "--image-size", str(spec["image_size"]), "--batch-size", str(b),
+                   "--optimizer", spec["optimizer"], "--epochs", "1", "--train-samples", str(b * (warmup + steps)),
+                   "--test-samples", str(b), "--workers", "0", "--warmup-steps", "0", "--log-every", "0",
+                   "--timing-warmup-steps", str(warmup), "--loader-probe-batches", "0", "--no-epoch-checkpoints",
+                   "--results", os.path.join(tmp, f"{i}.csv"), "--save-dir", os.path.join(tmp, f"ck{i}")]
+            cmd += ["--precision", precision] if precision else []
+            running.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.PIPE, text=True))
+        got = []
+        for i, proc in enumerate(running):
+            _, err = proc.communicate()
+            rows = read_rows(os.path.join(tmp, f"{i}.csv")) if os.path.exists(os.path.join(tmp, f"{i}.csv")) else []
+            if proc.returncode or not rows or rows[-1]["status"] != "ok":
+                raise UsageError(f"calibration run {script} {spec} failed: {(err.strip().splitlines() or ['?'])[-1]}")
+            got.append({"compute": float(rows[-1]["step_compute_ms"]), "opt": float(rows[-1]["step_optimizer_ms"])})
+    compute, opt = max(g["compute"] for g in got), max(g["opt"] for g in got)
+    return {"fwd_ms": compute / 3, "bwd_ms": 2 * compute / 3, "opt_ms": opt}
 
 
 def _links(world: int, device: str, threads: int, max_bytes: str = "16M") -> dict:
@@ -160,5 +175,3 @@ def calibrate(opts) -> int:
     return 0
 
 
-if __name__ == "__main__":  # one measuring process (spawned by _spawn)
-    print(json.dumps(_worker(json.loads(sys.argv[1]))))
