@@ -181,22 +181,22 @@ def test_report_shows_components_and_prediction(tmp_path):
                                                    for p in (tmp_path / "charts").iterdir())
 
 
-@pytest.mark.slow  # launches processes
-def test_advise_ranks_strategies_by_predicted_speed():
-    from test_memory import advise
+def test_advise_ranks_strategies_by_predicted_speed(capsys):
+    import benchmark
 
-    proc = advise("--model", "resnet50", "--image-size", "224", "--batch-size", "128", "--gpus", "1,4",
-                  "--gpu", "Tesla P40", "--interconnect", "pcie3")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = proc.stdout
+    code = benchmark.main(["advise", "--model", "resnet50", "--image-size", "224", "--batch-size", "128",
+                           "--gpus", "1,4", "--gpu", "Tesla P40", "--interconnect", "pcie3"])
+    out = capsys.readouterr().out
+    assert code == 0
     assert "of 24 GiB" in out  # the datasheet's memory when --gpu-memory-gib is not given
     table = out[out.index("predicted time per optimizer step"):]
     ddp = next(ln for ln in table.splitlines() if ln.startswith("ddp "))
     single = next(ln for ln in table.splitlines() if ln.startswith("single "))
     assert float(ddp.split()[6]) > 3 * float(single.split()[6])  # img/s: 4 GPUs over PCIe beat one
     assert "fastest that fits: " in out and "predicted strong scaling" in out
-    bad = advise("--model", "resnet50", "--gpus", "4", "--gpu", "Tesla Q99")
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not in the datasheet table" in bad.stderr
+    assert benchmark.main(["advise", "--model", "resnet50", "--gpus", "4", "--gpu", "Tesla Q99"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not in the datasheet table" in err
 
 
 @pytest.mark.slow  # launches processes
