@@ -152,12 +152,14 @@ class TimedWindow:
         self.before = []
         synchronize(self.device)
         self.t0, self.running = time.perf_counter(), True
+        # the step components first: the window's time from t0 on is theirs to tile
+        ordered = sorted(self.instruments, key=lambda i: i is not self.parts)
         if not self.started:
             self.started = True
-            for i in self.instruments:
+            for i in ordered:
                 i.start()
         else:
-            for i in self.instruments:
+            for i in ordered:
                 i.resume()
 
     def epoch_start(self, steps_done: int) -> None:
@@ -208,8 +210,10 @@ class TimedWindow:
             self.parts.mark(phase)
 
     def phase(self, name: str):
-        """Around a phase while the communication profiler records: its name in the trace."""
-        return torch.profiler.record_function(PHASE + name) if self.profiling else nullcontext()
+        """Around a phase while the communication profiler records (before the window, or inside it when
+        too few steps were left): its name in the trace."""
+        recording = self.profiling or any(i.outside_window and i.done < i.outside_window for i in self.instruments)
+        return torch.profiler.record_function(PHASE + name) if recording else nullcontext()
 
     def elapsed(self) -> float:
         return self.time_s + (time.perf_counter() - self.t0 if self.running else 0.0)

@@ -224,3 +224,44 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
     (row,) = rows(tmp_path / "summary.csv")
     pred, measured = float(row["pred_step_ms"]), float(row["step_ms_p50"])
     assert pred > 0 and float(row["pred_time_error_pct"]) == pytest.approx(100 * (pred - measured) / measured, abs=0.05)
+
+
+class GpuEvent:
+    """A device-timeline event: a kernel, or a record_function range mirrored there."""
+
+    def __init__(self, name, t, dur, annotation=False):
+        self.n, self.t, self.dur, self.annotation = name, t, dur, annotation
+
+    def name(self): return self.n  # noqa: E704
+    def start_ns(self): return self.t  # noqa: E704
+    def duration_ns(self): return self.dur  # noqa: E704
+    def shapes(self): return []  # noqa: E704
+    def dtypes(self): return []  # noqa: E704
+    def start_thread_id(self): return 0  # noqa: E704
+    def is_user_annotation(self): return self.annotation  # noqa: E704
+    def device_type(self): return torch.autograd.DeviceType.CUDA  # noqa: E704
+
+
+def test_on_gpu_phase_ranges_are_not_compute_and_come_from_the_device():
+    """The host ran ahead (its phase:compute ended at 10); on the device the compute phase is [100, 300],
+    a kernel computes [100, 200] and an NCCL kernel runs [150, 250]: 50 exposed, overlap 50%."""
+    events = [ev("phase:compute", 0, 10), GpuEvent("phase:compute", 100, 200, annotation=True),
+              GpuEvent("conv_kernel", 100, 100), GpuEvent("ncclDevKernel_AllReduce", 150, 100)]
+    got = analyze(events, 2, steps=1)
+    assert got["comm_overlap_pct"] == pytest.approx(50.0)
+    assert got["exposed_ms_by_phase"] == {"compute": pytest.approx(50 / 1e6)}
+
+
+def test_no_phase_recorded_is_not_a_zero():
+    events = [ev("gloo:all_reduce", 0, 100, th=9, s=[[10]], d=["float"])]
+    assert analyze(events, 2, steps=1)["exposed_ms_by_phase"] is None
+
+
+def test_pipeline_sends_are_per_micro_batch():
+    """Each cut sends one micro-batch's activation per micro-batch: 8x the micro-batches -> the same bytes."""
+    s = Setup(model="resnet18", image_size=32, batch_size=32, world_size=2, strategy="single")
+    slow = Link({"all_reduce": 0.01}, {"all_reduce": 0.0})  # 10 MB/s: the sends dominate
+    m4 = predict_step(s, C, slow, overlap=False, strategy="pp_gpipe", microbatches=4, stages=[2, 2])
+    m8 = predict_step(s, C, slow, overlap=False, strategy="pp_gpipe", microbatches=8, stages=[2, 2])
+    # layer2's output of resnet18 at 32 px: 128 x 4 x 4 fp32 = 8 KiB per image, there and back, 32 images
+    assert m4.comm_ms == pytest.approx(m8.comm_ms) == pytest.approx(2 * 32 * 8192 / 0.01e9 * 1e3)

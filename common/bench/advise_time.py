@@ -104,7 +104,11 @@ def mem_world(preds: dict, st: str) -> int:
 def curve(opts, preds: dict) -> None:
     """Strong scaling: the global batch fixed, efficiency = one GPU's step / (n x n GPUs' step)."""
     base = preds["ddp"].setup
-    one = inputs(opts, replace(base, strategy="single", world_size=1))
+    try:
+        one = inputs(opts, replace(base, strategy="single", world_size=1))
+    except ValueError as exc:  # no datasheet figure for this math on that GPU
+        print(f"scaling: {exc}")
+        return
     if one is None:
         print("scaling: one GPU's step is not calibrated at this batch")
         return
@@ -117,7 +121,10 @@ def curve(opts, preds: dict) -> None:
         cells = []
         for n in opts.gpu_counts:
             s = replace(preds[st].setup, world_size=n)
-            got = inputs(opts, s) if n > 1 else one
+            try:
+                got = inputs(opts, s) if n > 1 else one
+            except ValueError:
+                got = None
             if got is None:
                 cells.append(f"{'-':>16}")
                 continue

@@ -75,14 +75,18 @@ def _spawn(spec: dict, procs: int, threads: int) -> dict:
                    "--timing-warmup-steps", str(warmup), "--loader-probe-batches", "0", "--no-epoch-checkpoints",
                    "--results", os.path.join(tmp, f"{i}.csv"), "--save-dir", os.path.join(tmp, f"ck{i}")]
             cmd += ["--precision", precision] if precision else []
-            running.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.PIPE, text=True))
+            err = open(os.path.join(tmp, f"{i}.err"), "w")  # a file, not a pipe nobody reads while it runs
+            running.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err), err))
+        codes = [proc.wait() for proc, _ in running]  # all of them, also when one failed
         got = []
-        for i, proc in enumerate(running):
-            _, err = proc.communicate()
-            rows = read_rows(os.path.join(tmp, f"{i}.csv")) if os.path.exists(os.path.join(tmp, f"{i}.csv")) else []
-            if proc.returncode or not rows or rows[-1]["status"] != "ok":
-                raise UsageError(f"calibration run {script} {spec} failed: {(err.strip().splitlines() or ['?'])[-1]}")
+        for i, ((_, err), code) in enumerate(zip(running, codes)):
+            err.close()
+            path = os.path.join(tmp, f"{i}.csv")
+            rows = read_rows(path) if os.path.exists(path) else []
+            if code or not rows or rows[-1]["status"] != "ok":
+                with open(os.path.join(tmp, f"{i}.err")) as fh:
+                    last = (fh.read().strip().splitlines() or ["?"])[-1]
+                raise UsageError(f"calibration run {script} {spec} failed: {last}")
             got.append({"compute": float(rows[-1]["step_compute_ms"]), "opt": float(rows[-1]["step_optimizer_ms"])})
     compute, opt = max(g["compute"] for g in got), max(g["opt"] for g in got)
     return {"fwd_ms": compute / 3, "bwd_ms": 2 * compute / 3, "opt_ms": opt}
@@ -158,7 +162,7 @@ def calibrate(opts) -> int:
         for mode in modes:
             for b in sorted(micro):
                 spec = {"model": model, "image_size": image, "batch": b, "mode": mode, "optimizer": optimizer,
-                        "device": str(device), "steps": opts.steps}
+                        "device": device.type, "steps": opts.steps}
                 got = _spawn(spec, procs, threads)
                 k = key(model, image, b, mode, optimizer, procs, threads)
                 data["compute"][k] = {m: round(v, 4) for m, v in got.items()}

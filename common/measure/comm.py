@@ -128,6 +128,14 @@ def _subtract(xs, ys) -> list[tuple[int, int]]:
 PHASE = "phase:"  # common/train.py names the loop's phases with record_function while profiling
 
 
+def _annotation(e) -> bool:
+    """A user annotation (record_function) mirrored on the device timeline: a range, not a kernel."""
+    try:
+        return bool(e.is_user_annotation())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _gather_groups(events) -> dict[tuple, list[int]]:
     """Group size of each all_gather_into_tensor call, keyed by its input shape, in call order: the
     dispatcher event `c10d::_allgather_base_` records the output and the input (the backend's event
@@ -159,6 +167,7 @@ def analyze(events, n: int, steps: int) -> dict:
     FunctionEvents from; FunctionEvent drops the dtypes)."""
     calls, bus_bytes, payload = 0, 0.0, 0
     cpu_comm, threads, gpu_comm, gpu_compute, cpu_ops = [], set(), [], [], []
+    gpu_phases: dict[str, list] = {}
     # the harness waits for its collectives inside its range (on CUDA it synchronizes there): a
     # collective, or an NCCL kernel, that starts inside one is the harness's
     harness = _union([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == HARNESS])
@@ -181,6 +190,10 @@ def analyze(events, n: int, steps: int) -> dict:
         if at >= 0 and span[0] <= harness[at][1]:
             continue
         if e.device_type() == torch.autograd.DeviceType.CUDA:
+            if name.startswith(PHASE):  # the loop's phase ranges on the device timeline
+                gpu_phases.setdefault(name[len(PHASE):], []).append(span)
+            if name.startswith(PHASE) or _annotation(e):  # a range, not a kernel: neither comm nor compute
+                continue
             (gpu_comm if "nccl" in name.lower() else gpu_compute).append(span)
             continue
         backend, _, op = name.partition(":")
@@ -209,11 +222,14 @@ def analyze(events, n: int, steps: int) -> dict:
     # exposed: a collective in flight and no compute on the training side, attributed to the loop's
     # phase it fell in (common/measure/stepparts.py takes it out of that phase)
     exposed = _subtract(comm, compute)
-    phases: dict[str, list] = {}
-    for e in events:
-        if e.name().startswith(PHASE) and e.device_type() != torch.autograd.DeviceType.CUDA:
-            phases.setdefault(e.name()[len(PHASE):], []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
-    by_phase = {p: _intersection(exposed, _union(spans)) / 1e6 / steps for p, spans in phases.items()}
+    # on GPU the device's copy of each phase range (the host runs ahead of the device), on CPU the host's
+    phases = gpu_phases if gpu_comm and gpu_phases else {}
+    if not phases:
+        for e in events:
+            if e.name().startswith(PHASE) and e.device_type() != torch.autograd.DeviceType.CUDA:
+                phases.setdefault(e.name()[len(PHASE):], []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
+    by_phase = ({p: _intersection(exposed, _union(spans)) / 1e6 / steps for p, spans in phases.items()}
+                if phases else None)  # no phase recorded: not measured (never a silent 0)
     return {"comm_bytes_per_step": payload / steps, "comm_calls_per_step": calls / steps,
             "comm_ms_per_step": comm_ns / 1e6 / steps if comm_ns else None,
             "busbw_gbps": bus_bytes / comm_ns if comm_ns else None,  # bytes per ns = GB/s
@@ -262,10 +278,11 @@ class CommRecorder(Instrument):
         self.prof = None
 
     def local(self) -> dict:
+        if self.events is None or not self.done:  # nothing recorded (yet): not cached
+            return dict.fromkeys(("comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step", "busbw_gbps",
+                                  "comm_overlap_pct"))
         if self._local is None:
-            self._local = (analyze(self.events, world_size(), self.done) if self.events is not None and self.done
-                           else dict.fromkeys(("comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step",
-                                               "busbw_gbps", "comm_overlap_pct")))
+            self._local = analyze(self.events, world_size(), self.done)
         return self._local
 
     def exposed_ms_per_step(self) -> dict | None:

@@ -283,10 +283,12 @@ def _pipeline(p: StepPrediction, us, c: Compute, link: Link, overlap: bool, n: i
     slot_f = max(shares) * c.fwd_ms
     slot_b = max(shares) * c.bwd_ms
     slots = m + len(shares) - 1
-    send = sum(link.ms("send", b, 2) for b in cut_bytes)  # one activation forward, one gradient back
+    micro = max(1, setup.batch_size // max(1, m))
+    # one activation forward and its gradient back per micro-batch and cut
+    send = sum(link.ms("send", b * micro, 2) for b in cut_bytes)
     p.compute_ms = slots * (slot_f + slot_b)
     p.comm_ms = 2 * m * send
-    p.comm_exposed_ms = p.comm_ms if not overlap else 2 * send * (len(shares) - 1)
+    p.comm_exposed_ms = p.comm_ms if not overlap else 2 * send  # overlapped but the first and the last
     p.optimizer_ms = c.opt_ms * max(params) / max(1, sum(params))
     return p
 
@@ -310,14 +312,14 @@ def _stage_split(us, counts: list[int], setup: Setup) -> tuple[list[float], list
 
 
 def _activation_bytes(setup: Setup, layer: str) -> float:
+    """Bytes per image of the activation leaving `layer` (a cut), in the dtype it travels in."""
     model = meta_model(setup.model)
     out = {}
     handle = model.get_submodule(layer).register_forward_hook(lambda _m, _i, o: out.setdefault("o", o))
-    micro = max(1, setup.batch_size // max(1, setup.grad_accum))
     with torch.device("meta"):
-        model(torch.empty(micro, 3, setup.image_size, setup.image_size))
+        model(torch.empty(2, 3, setup.image_size, setup.image_size))  # 2: BatchNorm refuses one value per channel
     handle.remove()
-    return out["o"].numel() * 4 / max(1, micro) * micro  # per micro-batch: scaled by the caller's m
+    return out["o"].numel() / 2 * ITEMSIZE.get(setup.precision, 4)
 
 
 def describe(p: StepPrediction) -> str:

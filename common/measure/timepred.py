@@ -34,6 +34,8 @@ class TimePrediction(Instrument):
         cfg, s = self.cfg, self.setup
         if s is None:
             return None, "no step model for this script"
+        if s.strategy.endswith("_offload"):
+            return None, "offload is not in the step model (host transfers, CPU optimizer)"
         path = getattr(cfg, "calibration", "") or DEFAULT
         data = load(path)
         from .fingerprint import device_name
@@ -52,7 +54,9 @@ class TimePrediction(Instrument):
             return None, f"no collectives calibrated at {s.world_size} ranks in {path}: run benchmark.py calibrate"
         data_ms = 0.0
         if cfg.workers == 0 and self.loader_img_s:
-            data_ms = micro * (1 if pp else world_size()) / self.loader_img_s * 1e3
+            # loader_img_s is summed over data-parallel ranks (each loads its share of the global batch)
+            # and the slowest stage's for a pipeline (each loads all of it): either way global batch / rate
+            data_ms = s.batch_size / self.loader_img_s * 1e3
         compute = Compute(c["fwd_ms"], c["bwd_ms"], c["opt_ms"], data_ms, why)
         stages = None
         if pp:
