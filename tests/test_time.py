@@ -58,15 +58,17 @@ def fit_with_parts(monkeypatch, optimizer_sleep_s: float, data_sleep_s: float = 
 
 def test_components_tile_the_window_and_a_slower_optimizer_moves_its_own(monkeypatch):
     fast = fit_with_parts(monkeypatch, 0.002)
-    slow = fit_with_parts(monkeypatch, 0.030)
+    slow = fit_with_parts(monkeypatch, 0.060)
     for row in (fast, slow):
         assert sum(row[c] for c in PARTS) == pytest.approx(row["step_ms_mean"], abs=0.01)  # 3 decimals each
         # the window's time per step, as throughput counts it (4 images a step)
         assert row["step_ms_mean"] == pytest.approx(4 / row["throughput_img_s"] * 1e3, rel=0.05)
         assert row["step_data_ms"] >= 4.0 and row["step_comm_exposed_ms"] == 0.0
-    assert slow["step_optimizer_ms"] - fast["step_optimizer_ms"] == pytest.approx(28.0, abs=8.0)
-    assert abs(slow["step_data_ms"] - fast["step_data_ms"]) < 10.0  # the others stay (a busy CPU jitters)
-    assert abs(slow["step_compute_ms"] - fast["step_compute_ms"]) < 10.0
+    moved = slow["step_optimizer_ms"] - fast["step_optimizer_ms"]
+    assert moved == pytest.approx(58.0, abs=15.0)
+    # the others stay, up to the jitter of a busy 2-core machine
+    assert abs(slow["step_data_ms"] - fast["step_data_ms"]) < moved / 2
+    assert abs(slow["step_compute_ms"] - fast["step_compute_ms"]) < moved / 2
 
 
 class FakeComm:
