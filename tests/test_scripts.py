@@ -225,4 +225,4 @@ def test_deepspeed_bf16_counts_the_steps_it_skips(tmp_path, poisoned, skipped):
     if skipped == 4:  # every step skipped: no update for the model-state walk to measure
         assert row["model_state_gib"] == "" and "no optimizer update" in row["notes"], row["notes"]
     else:
-        assert float(row["model_state_gib"]) > 0 and row["notes"] == ""
+        assert float(row["model_state_gib"]) > 0 and "model_state_gib" not in row["notes"], row["notes"]

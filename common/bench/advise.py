@@ -34,7 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch per optimizer step")
     p.add_argument("--gpus", default="1", help="GPUs (ranks) to spread it over; a list (1,2,4,8) adds the predicted "
                    "scaling curve of every strategy (the tables are for the last)")
-    p.add_argument("--gpu-memory-gib", type=float, default=0.0, help="memory of one GPU, GiB (default: --gpu's)")
+    p.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU, GiB (default: --gpu's)")
     t = p.add_argument_group("time (common/measure/timemodel.py): give --calibration, or --gpu with "
                              "--interconnect or --busbw-gbps")
     t.add_argument("--calibration", default="", help="benchmark.py calibrate's file: this machine's measured inputs")
@@ -62,9 +62,9 @@ def check(opts) -> None:
         raise UsageError(f"--gpu {opts.gpu!r} is not in the datasheet table; one of: {', '.join(gpu_names())}")
     if opts.interconnect and opts.interconnect not in LINKS:
         raise UsageError(f"--interconnect {opts.interconnect!r} unknown; one of: {', '.join(LINKS)}")
-    if not opts.gpu_memory_gib and opts.gpu:
+    if opts.gpu_memory_gib is None and opts.gpu:
         opts.gpu_memory_gib = GPU_MEMORY_GIB[opts.gpu]
-    if not opts.gpu_memory_gib and not opts.gpu:
+    if opts.gpu_memory_gib is None:
         raise UsageError("give --gpu-memory-gib (or --gpu NAME, whose memory the datasheet table knows)")
     if opts.model not in classification_models():
         raise UsageError(f"unknown model '{opts.model}'; any torchvision classification model, e.g. resnet50")
