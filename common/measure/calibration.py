@@ -1,10 +1,11 @@
 """The step model's measured inputs: what `python benchmark.py calibrate` writes and the rows read.
 
 results/calibration.json holds, with the machine's fingerprint (device name, CPU threads):
-  compute  per (model, image size, micro-batch, compute mode, optimizer, processes, threads): the
-           median forward, backward and optimizer-step time of one process, ms. Measured with the
-           device synchronized around each phase, after warm-up steps, on a plain torchvision model
-           (no wrapper). On a CPU `procs` processes measure at once, each with the threads a run of
+  compute  per (model, image size, micro-batch, compute mode, optimizer, processes, threads): one
+           process's forward, backward and optimizer-step time, ms, from the project's single-device
+           script of that mode (its step_compute_ms split 1:2 as the FLOPs are, and its
+           step_optimizer_ms: common/bench/calibrate.py; `measure_compute` below is the bare-loop
+           variant, kept for comparison). On a CPU `procs` processes measure at once, each with the threads a run of
            that many ranks gets (benchmark.py's OMP_NUM_THREADS rule): two ranks on two cores compete
            for the cores and the memory bandwidth as the real run's ranks do; the slowest process
            counts. On a GPU one process measures (each rank has its own device).
