@@ -86,7 +86,7 @@ def time_tables(opts, preds: dict) -> None:
         rows[st] = (p, img_s, fits)
         print(f"{st:<24}{mem.setup.world_size:>5}{p.compute_ms:>9.1f}{p.comm_exposed_ms:>8.1f}{p.optimizer_ms:>8.1f}"
               f"{p.step_ms:>9.1f}{img_s:>9.0f}{opts.dataset_images / img_s:>9.0f}  {'yes' if fits else 'no'}")
-    fitting = {st: r for st, r in rows.items() if r[2] and (mem_world(preds, st) > 1 or opts.gpus == 1)}
+    fitting = {st: r for st, r in rows.items() if r[2] and (preds[st].setup.world_size > 1 or opts.gpus == 1)}
     if fitting:
         best = max(fitting, key=lambda st: fitting[st][1])
         close = [st for st, r in fitting.items() if st != best and r[1] >= fitting[best][1] * (1 - MODEL_ERROR)]
@@ -95,10 +95,6 @@ def time_tables(opts, preds: dict) -> None:
                  f"docs/time.md) of it: {', '.join(close)}" if close else ""))
     if len(opts.gpu_counts) > 1:
         curve(opts, preds)
-
-
-def mem_world(preds: dict, st: str) -> int:
-    return preds[st].setup.world_size
 
 
 def curve(opts, preds: dict) -> None:

@@ -4,8 +4,8 @@ results/calibration.json holds, with the machine's fingerprint (device name, CPU
   compute  per (model, image size, micro-batch, compute mode, optimizer, processes, threads): one
            process's forward, backward and optimizer-step time, ms, from the project's single-device
            script of that mode (its step_compute_ms split 1:2 as the FLOPs are, and its
-           step_optimizer_ms: common/bench/calibrate.py; `measure_compute` below is the bare-loop
-           variant, kept for comparison). On a CPU `procs` processes measure at once, each with the threads a run of
+           step_optimizer_ms: common/bench/calibrate.py). On a CPU `procs` processes measure at once,
+           each with the threads a run of
            that many ranks gets (benchmark.py's OMP_NUM_THREADS rule): two ranks on two cores compete
            for the cores and the memory bandwidth as the real run's ranks do; the slowest process
            counts. On a GPU one process measures (each rank has its own device).
@@ -18,14 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
-import time
-from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
-
-from ..precision import DTYPES
 
 DEFAULT = "results/calibration.json"
 
@@ -41,53 +35,6 @@ def fingerprint(device: torch.device) -> dict:
     from .fingerprint import device_name
 
     return {"device_name": device_name(device), "device_type": device.type}
-
-
-def measure_compute(model_name: str, image_size: int, batch: int, mode: str, optimizer: str,
-                    device: torch.device, steps: int = 6, warmup: int = 3, channels_last: bool = False) -> dict:
-    """Median forward, backward, optimizer ms of one process on a plain model (random weights)."""
-    import types
-
-    from ..distributed import synchronize
-    from ..models import build_model
-
-    spec = types.SimpleNamespace(model=model_name, channels_last=channels_last, grad_checkpointing=False)
-    model = build_model(spec, pretrained=False).to(device)
-    half = DTYPES.get(mode.split("_")[-1]) if mode != "fp32" else None
-    if mode.startswith("pure_"):
-        model = model.to(half)
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = (torch.optim.AdamW(params, lr=1e-3) if optimizer == "adamw"
-           else torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=5e-4))
-    x = torch.randn(batch, 3, image_size, image_size, device=device,
-                    dtype=half if mode.startswith("pure_") else torch.float32)
-    if channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-    y = torch.randint(0, 10, (batch,), device=device)
-    ctx = torch.autocast(device.type, dtype=half) if mode.startswith("amp_") else nullcontext()
-    fwd, bwd, stp = [], [], []
-    for i in range(warmup + steps):
-        synchronize(device)
-        t0 = time.perf_counter()
-        with ctx:
-            loss = F.cross_entropy(model(x).float(), y)
-        synchronize(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        synchronize(device)
-        t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        synchronize(device)
-        t3 = time.perf_counter()
-        if i >= warmup:
-            fwd.append((t1 - t0) * 1e3)
-            bwd.append((t2 - t1) * 1e3)
-            stp.append((t3 - t2) * 1e3)
-    return {"fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd), "opt_ms": statistics.median(stp)}
 
 
 def key(model: str, image_size: int, batch: int, mode: str, optimizer: str, procs: int, threads: int,

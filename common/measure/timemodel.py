@@ -320,7 +320,3 @@ def _activation_bytes(setup: Setup, layer: str) -> float:
         model(torch.empty(2, 3, setup.image_size, setup.image_size))  # 2: BatchNorm refuses one value per channel
     handle.remove()
     return out["o"].numel() / 2 * ITEMSIZE.get(setup.precision, 4)
-
-
-def describe(p: StepPrediction) -> str:
-    return ", ".join(f"{k} {v:.1f}" for k, v in p.parts().items()) + f" ms = {p.step_ms:.1f} ms"
