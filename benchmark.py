@@ -174,7 +174,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name, (help_, add_args, handler) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(name, help=help_.replace("%", "%%"), description=help_)  # help is %-formatted
         add_args(p)
         p.set_defaults(handler=handler)
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):

@@ -187,3 +187,16 @@ def test_memory_chart_draws_the_rows_own_prediction():
                                      "grad_checkpointing": False})])
     rebuilt = _predicted_parts(old)  # world 1: DataParallel's comm term (whole batch on GPU 0) is 0
     assert rebuilt is not None and rebuilt["comm"] == 0.0
+
+
+def test_help_lists_every_subcommand(capsys):
+    """argparse %-formats a subcommand's help: a bare "95% CIs" ended `benchmark.py --help` in a traceback."""
+    import benchmark
+
+    with pytest.raises(SystemExit) as exit_:
+        benchmark.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for name in benchmark.COMMANDS:
+        assert name in out
+    assert "95% CIs" in out
