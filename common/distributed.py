@@ -85,12 +85,34 @@ def init_distributed(cfg: TrainConfig, standalone_group: bool = False) -> DistIn
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = pick_device(cfg, local_rank())
     backend = backend_for(cfg, device)
+    if "gloo" in backend:
+        gloo_on_loopback_when_one_node()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world_size, store=attempt_store(rank, world_size),
                                 device_id=device if device.type == "cuda" else None)
     return DistInfo(rank, local_rank(), world_size, device)
+
+
+def gloo_on_loopback_when_one_node(environ=os.environ) -> bool:
+    """Every gloo rank on one node talks over loopback (GLOO_SOCKET_IFNAME=lo), unless the user named
+    an interface. Without it gloo listens on the address the machine's hostname resolves to (torch's
+    ProcessGroupGloo::createDefaultDevice; only an unresolvable name falls back to loopback, with the
+    warning "Unable to resolve hostname to a (local) address"). A hostname mapped to an address the
+    peers cannot reach (a stale /etc/hosts entry, a sandbox's interface) hangs connectFullMesh until
+    the group's 30-minute timeout. On one node loopback always reaches every peer; on several it
+    reaches none, so multi-node jobs keep gloo's own choice. One node: the launcher's local world
+    (torchrun LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE) is the whole world."""
+    import socket
+
+    local = environ.get("LOCAL_WORLD_SIZE", environ.get("LOCAL_SIZE"))
+    if "GLOO_SOCKET_IFNAME" in environ or local is None or local != environ.get("WORLD_SIZE"):
+        return False
+    loopback = [name for _, name in socket.if_nameindex() if name in ("lo", "lo0")]  # lo0: macOS
+    if loopback:
+        environ["GLOO_SOCKET_IFNAME"] = loopback[0]
+    return bool(loopback)
 
 
 def attempt_store(rank: int, world_size: int):

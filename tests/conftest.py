@@ -2,6 +2,7 @@
 it. Helpers live in tests/helpers.py, the shared launches in tests/launches.py."""
 import os
 import sys
+import time
 
 import pytest
 
@@ -11,6 +12,10 @@ sys.path.insert(0, TESTS)
 sys.path.insert(0, ROOT)
 
 from launches import launched  # noqa: E402,F401  the session's shared end-to-end runs (tests/launches.py)
+
+# Every test runs on this one host, the Slurm "nodes" included: gloo talks over loopback, whatever the
+# hostname resolves to (common/distributed.py, gloo_on_loopback_when_one_node, says why it matters).
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 # caches and environments, not the project's files
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".ruff_cache", ".pytest_cache", ".mypy_cache"}
@@ -49,3 +54,94 @@ def checkout_left_as_found():
         pytest.fail(f"the tests wrote into the checkout {ROOT} (send outputs to tmp_path): "
                     + ", ".join(touched[:20]) + (f" and {len(touched) - 20} more" if len(touched) > 20 else ""),
                     pytrace=False)
+
+
+def pytest_collection_finish(session):
+    """Before any end-to-end test: two processes must form a gloo group here, or the suite stops at once
+    with why (each launch would otherwise wait out its own timeout: a CI run of 90 minutes, all red)."""
+    if any(item.get_closest_marker("slow") for item in session.items):
+        from helpers import gloo_pair_problem
+
+        problem = gloo_pair_problem()
+        if problem:
+            pytest.exit(problem, returncode=3)
+
+
+# A launch that overruns its timeout is killed (subprocess.run kills the launcher), and its workers
+# (torchrun's, DeepSpeed's, benchmark.py's own sessions) lived on: on a 2-core machine they starved
+# every later test into its own timeout, one failure became the whole suite's. As the processes'
+# subreaper, pytest inherits every orphan; after a test that failed, those that appeared during it die.
+PR_SET_CHILD_SUBREAPER = 36
+DAEMONS = {"slurmctld", "slurmd", "slurmstepd", "munged"}  # the test cluster's, shared by the module
+
+
+def _subreaper() -> bool:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+SUBREAPER = sys.platform == "linux" and _subreaper()
+
+
+def descendants(root: int) -> dict[int, str]:
+    """{pid: command name} of every live process under root, read from /proc; reaps root's dead children
+    that nobody waits for (orphans the subreaper inherited and that ended)."""
+    parent, name = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        comm_end = stat.rindex(")")
+        fields = stat[comm_end + 2:].split()
+        if fields[0] != "Z":
+            parent[int(entry)], name[int(entry)] = int(fields[1]), stat[stat.index("(") + 1:comm_end]
+        elif int(fields[1]) == root == os.getpid():
+            try:
+                os.waitpid(int(entry), os.WNOHANG)
+            except ChildProcessError:  # a child a Popen of the test's own still holds
+                pass
+    found, frontier = {}, [root]
+    while frontier:
+        here = frontier.pop()
+        for pid, ppid in parent.items():
+            if ppid == here and pid not in found:
+                found[pid] = name[pid]
+                frontier.append(pid)
+    return found
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = set(descendants(os.getpid())) if SUBREAPER else set()
+    yield
+    failed = any(r.failed for r in getattr(item, "_reports", []))
+    if SUBREAPER and not failed:
+        descendants(os.getpid())  # reaps
+    if SUBREAPER and failed:
+        import signal
+
+        left = {p: n for p, n in descendants(os.getpid()).items() if p not in before and n not in DAEMONS}
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+        descendants(os.getpid())  # reaps those that were its children
+        if left:
+            sys.stderr.write(f"\n{item.nodeid} failed and left {len(left)} process(es); killed: "
+                             f"{', '.join(sorted(set(left.values())))}\n")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    item._reports = [*getattr(item, "_reports", []), outcome.get_result()]

@@ -94,6 +94,53 @@ def pp_bytes_per_step(model: str, image_size: int, batch: int, pieces: int = 2, 
 
 
 
+def _pair_worker(rank, world, port, queue):
+    import torch
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+        dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
+        x = torch.ones(4)
+        dist.all_reduce(x)
+        dist.destroy_process_group()
+        queue.put((rank, x.tolist()))
+    except Exception as exc:
+        queue.put((rank, repr(exc)))
+
+
+def gloo_pair_problem(timeout: float = 90) -> str | None:
+    """None when two spawned processes form a gloo group and all-reduce within timeout; else why not,
+    with what gloo's address depends on. Every end-to-end test needs this; on a machine where it fails
+    they would each wait out their own timeout, for hours."""
+    import multiprocessing as mp
+    import queue as queues
+    import socket
+
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_pair_worker, args=(r, 2, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=timeout) for _ in procs)
+        problem = None if all(v == [2.0] * 4 for v in got.values()) else f"results {got}"
+    except queues.Empty:
+        problem = f"no result within {timeout:.0f} s"
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+    if problem is None:
+        return None
+    try:
+        addrs = sorted({a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)})
+    except OSError as exc:
+        addrs = [f"unresolvable ({exc.strerror})"]
+    return (f"two processes on this host could not form a gloo group and all-reduce: {problem}; hostname "
+            f"{socket.gethostname()} -> {', '.join(addrs)}, GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME')}")
+
+
 def spawn_ranks(target, world: int = 2) -> dict:
     """A real gloo group of `world` spawned processes in-test: target(rank, world, port, queue) puts
     (rank, result) on the queue; returns {rank: result}."""

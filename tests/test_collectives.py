@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import spawn_ranks
 
-from common.distributed import claim_failure_row, reduce_metrics, restart_pending
+from common.distributed import claim_failure_row, gloo_on_loopback_when_one_node, reduce_metrics, restart_pending
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,6 +70,19 @@ def test_the_twin_group_rejects_cpu_tensors(cuda_only_group):
 
 def test_one_rank_claims_a_failed_runs_row(cuda_only_group):
     assert sorted(out["claim"] for out in cuda_only_group.values()) == [False, True]
+
+
+def test_gloo_talks_over_loopback_only_on_one_node():
+    """One node (the launcher's local world is the world): loopback, which reaches every peer whatever
+    the hostname resolves to. Several nodes, no launcher, or an interface the user named: untouched."""
+    one = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    assert gloo_on_loopback_when_one_node(one) and one["GLOO_SOCKET_IFNAME"] == "lo"
+    ds = {"WORLD_SIZE": "2", "LOCAL_SIZE": "2"}  # DeepSpeed's launcher
+    assert gloo_on_loopback_when_one_node(ds) and ds["GLOO_SOCKET_IFNAME"] == "lo"
+    for env in ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, {"WORLD_SIZE": "2"},
+                {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "eth0"}):
+        before = dict(env)
+        assert not gloo_on_loopback_when_one_node(env) and env == before
 
 
 def test_reduce_metrics_without_a_group():

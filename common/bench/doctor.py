@@ -95,8 +95,25 @@ def environment() -> list[tuple[str, str]]:
              ("accelerate", version("accelerate")), ("accelerate config", _accelerate_config()),
              ("nvidia-ml-py", version("nvidia-ml-py")), ("onnxruntime", version("onnxruntime")),
              ("CPU", f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"),
-             ("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "(unset)"))]
+             ("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "(unset)")),
+             ("gloo address", _gloo_address())]
     return rows
+
+
+def _gloo_address() -> str:
+    """Where gloo listens unless GLOO_SOCKET_IFNAME says otherwise: the hostname's address
+    (common/distributed.py: one-node runs use loopback; several nodes need this to be reachable)."""
+    import socket
+
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return f"interface {os.environ['GLOO_SOCKET_IFNAME']} (GLOO_SOCKET_IFNAME)"
+    host = socket.gethostname()
+    try:
+        addrs = sorted({a[4][0] for a in socket.getaddrinfo(host, None)})
+    except OSError as exc:
+        return f"hostname {host} does not resolve ({exc.strerror}): gloo falls back to loopback, one node only"
+    return (f"hostname {host} -> {', '.join(addrs)} (one-node runs use loopback; across nodes this address "
+            f"must reach the others, else set GLOO_SOCKET_IFNAME)")
 
 
 def check_rows(rows: list[dict], runs: list[dict], gpus: int, save_dir: str) -> list[tuple[str, bool, str]]:
