@@ -56,6 +56,18 @@ def checkout_left_as_found():
                     pytrace=False)
 
 
+# CI stops at 90 minutes with only the tail of the output kept: a suite that has not ended by 70 (its
+# budget is 20) stops itself, so the failures so far and the slowest tests still get printed
+DEADLINE_S = 60 * float(os.environ.get("SUITE_DEADLINE_MIN", "70"))
+STARTED = time.time()
+
+
+def pytest_runtest_setup(item):
+    if time.time() - STARTED > DEADLINE_S:
+        pytest.exit(f"the suite ran past {DEADLINE_S / 60:.0f} minutes (its budget is 20); stopped before "
+                    f"{item.nodeid}", returncode=3)
+
+
 def pytest_collection_finish(session):
     """Before any end-to-end test: two processes must form a gloo group here, or the suite stops at once
     with why (each launch would otherwise wait out its own timeout: a CI run of 90 minutes, all red)."""

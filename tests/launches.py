@@ -146,7 +146,7 @@ class SharedLaunches:
         folder.mkdir(parents=True)
         args = tiny_args(folder, **case.flags())
         script, args = (case.twin[0], list(case.twin[1:]) + args) if case.twin else (case.script, args)
-        proc = run(script, args, nproc=case.nproc, launcher=case.launcher, env=dict(case.env), timeout=600)
+        proc = run(script, args, nproc=case.nproc, launcher=case.launcher, env=dict(case.env), timeout=300)
         resume = folder / "ckpt" / case.script[:-3] / "resume"
         saved = resume.is_dir()
         shutil.rmtree(resume, ignore_errors=True)
