@@ -147,15 +147,31 @@ def cleanup(wait_for_all: bool = False) -> None:
     destroy_process_group, leaving gloo's threads to interpreter exit (the likely cause, not proven).
     Seen twice in about 80 CPU runs of pytorch_FSDP.py before this: rank 1 aborting at exit
     ("terminate called without an active exception") while rank 0 was still writing model_final.pt."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if wait_for_all:
-        try:
-            dist.barrier()
-        except (RuntimeError, dist.DistBackendError):  # a peer already gone: it failed and says so itself
-            pass
-    gc.collect()
-    dist.destroy_process_group()
+    if dist.is_available() and dist.is_initialized():
+        if wait_for_all:
+            try:
+                dist.barrier()
+            except (RuntimeError, dist.DistBackendError):  # a peer already gone: it failed and says so itself
+                pass
+        gc.collect()
+        dist.destroy_process_group()
+    release_deepspeed_shm()
+
+
+def release_deepspeed_shm() -> None:
+    """Unlinks the 66 MB shared-memory buffer a DeepSpeed process on a CPU leaves in /dev/shm. Its
+    communication backend creates one per rank when every rank is local (deepspeed/comm/torch.py
+    TorchBackend.__init__ -> the shm op's initialize -> shm_initialize in csrc/cpu/comm/shm.cpp:
+    "deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>") and never calls its
+    shared_close: /dev/shm is memory, and a few hundred runs filled 19 GB of a 24 GB machine until the
+    kernel killed the test session. Training never uses the buffer (only inference_all_reduce does);
+    a peer still mapping it keeps its pages until it exits."""
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{os.environ.get('RANK', '0')}")
+    try:
+        os.remove(name)
+    except OSError:  # none made (not DeepSpeed, a GPU, ranks on several nodes), or no /dev/shm
+        pass
 
 
 def global_rank() -> int:

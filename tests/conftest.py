@@ -43,6 +43,23 @@ def changes(before: dict, after: dict) -> list[str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def shared_memory_released():
+    """Runs this session killed (kill-and-resume, restarts, timeouts) never reached their cleanup: their
+    DeepSpeed buffers in /dev/shm (66 MB each, memory; common/distributed.py release_deepspeed_shm)
+    go when the session ends."""
+    import glob
+
+    pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*"
+    before = set(glob.glob(pattern))
+    yield
+    for path in set(glob.glob(pattern)) - before:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+@pytest.fixture(scope="session", autouse=True)
 def checkout_left_as_found():
     """A test that writes into the checkout (a benchmark.py run without --results/--report/--save-dir, say)
     overwrites the user's results/REPORT.md and fills checkpoints/ with hundreds of MB; every output belongs
@@ -77,6 +94,16 @@ def pytest_collection_finish(session):
         problem = gloo_pair_problem()
         if problem:
             pytest.exit(problem, returncode=3)
+        # the first DeepSpeed process of an environment compiles an op (common/bench/doctor.py says which):
+        # minutes that would otherwise fall inside whichever launch comes first, and its timeout
+        import subprocess
+
+        proc = subprocess.run([sys.executable, "-c", "from common.bench.doctor import build_deepspeed_cpu_ops as b; "
+                               "print(b())"], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+        if proc.returncode:
+            pytest.exit(f"DeepSpeed's CPU op did not build: {(proc.stderr.strip().splitlines() or ['?'])[-1]}",
+                        returncode=3)
+        sys.stderr.write(f"\nDeepSpeed's CPU op: {proc.stdout.strip().splitlines()[-1]}\n")
 
 
 # A launch that overruns its timeout is killed (subprocess.run kills the launcher), and its workers

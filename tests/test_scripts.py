@@ -1,7 +1,9 @@
 """Every training script x every precision it accepts, end to end on CPU: one valid row, loadable
 fp32 weights, clear refusals. The cases come from the registry, so a new script or precision is
 covered (or the completeness test below fails)."""
+import glob
 import math
+import os
 
 import pytest
 import torch
@@ -131,6 +133,10 @@ def test_deepspeed_launcher(launched):
     r = launched("pytorch_DeepSpeed-launcher")
     check_ok(r.proc)
     check_row(r.row, "pytorch_DeepSpeed.py", 2, "fp32")
+    # under its launcher (LOCAL_SIZE = the world) each rank's backend made a 66 MB buffer in /dev/shm,
+    # which DeepSpeed never unlinks; the run's cleanup does (common/distributed.py release_deepspeed_shm)
+    port = r.proc.args[r.proc.args.index("--master_port") + 1]
+    assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")
 
 
 @pytest.mark.parametrize("content, words", [

@@ -44,6 +44,29 @@ def _gpu_lines() -> list[tuple[str, str]]:
     return out
 
 
+def build_deepspeed_cpu_ops() -> str:
+    """Builds, where it is not built yet, the op every DeepSpeed process on a CPU JIT-compiles when its
+    communication backend starts: deepspeed/comm/torch.py TorchBackend.__init__ calls build_shm_op(),
+    ShareMemCommBuilder().load() (ninja and the C++ compiler, into ~/.cache/torch_extensions; about
+    1-3 minutes on 2 cores, more while other runs compete). Training never calls it (only
+    inference_all_reduce does), but the first DeepSpeed run of an environment waits for it, and its
+    timeout counts it. Built once here, every later run loads it in a second. No-op with CUDA."""
+    import time
+
+    if torch.cuda.is_available():
+        return "not needed (CUDA)"
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return "not used here"
+    start = time.time()
+    builder.load(verbose=False)
+    return f"{builder.NAME} ready ({time.time() - start:.0f} s)"
+
+
 def _deepspeed_ops() -> str:
     """DeepSpeed's op compatibility, as `ds_report` shows it: which ops could be built here."""
     try:
@@ -190,6 +213,13 @@ def doctor(opts) -> int:
         print("\nno CUDA device: the GPU checks are skipped; running and checking what CPU can run")
     only = [s.strip() for s in opts.only.split(",")] if opts.only else None
     runs = load_matrix(opts.matrix, opts.preset, only, gpus, opts.save_dir)
+    if not gpus and any(BY_FILE[r["script"]].deepspeed_config for r in runs):
+        print("DeepSpeed's CPU op, before any run's timeout starts (compiled once per environment): ", end="",
+              flush=True)
+        try:
+            print(build_deepspeed_cpu_ops(), flush=True)
+        except Exception as exc:  # the DeepSpeed runs will say it again, in their rows
+            print(f"failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", flush=True)
     opts.dry_run = False
     if os.path.exists(opts.results):
         os.remove(opts.results)  # the doctor's own file: each doctor run starts clean
