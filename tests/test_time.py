@@ -161,6 +161,34 @@ def test_calibration_lookup_exact_scaled_and_refused():
     assert find_compute(data, "CPU X", "resnet18", 32, 8, "fp32", "sgd", 1, 2)[0] is None
 
 
+def test_a_strategys_own_calibration_comes_first(tmp_path, monkeypatch):
+    """A DDP run reads the entry of DDP run on one process (its own host work) before the plain model's;
+    a strategy calibrate did not run falls back to the plain entry."""
+    import json
+
+    from common.measure.fingerprint import device_name
+    from common.measure.timepred import TimePrediction
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    t = torch.get_num_threads()
+    plain, own = {"fwd_ms": 10.0, "bwd_ms": 20.0, "opt_ms": 5.0}, {"fwd_ms": 20.0, "bwd_ms": 40.0, "opt_ms": 6.0}
+    link = {"latency_us": 10.0, "busbw_gbps": 1.0}
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"device_name": device_name(torch.device("cpu")), "links": {"2": {"all_reduce": link}},
+                               "compute": {key("resnet18", 32, 8, "fp32", "sgd", 2, t): plain,
+                                           key("resnet18", 32, 8, "fp32@ddp", "sgd", 2, t): own}}))
+    cfg = TrainConfig(calibration=str(cal), workers=2)
+
+    def predicted(strategy):
+        setup = Setup(model="resnet18", image_size=32, batch_size=16, world_size=2, strategy=strategy)
+        pred, why = TimePrediction(cfg, setup, torch.device("cpu"), None, None, strategy).predict()
+        assert why is None, why
+        return pred
+
+    assert predicted("ddp").compute_ms == 60.0 and predicted("ddp").optimizer_ms == 6.0
+    assert predicted("ddp_zero").compute_ms == 30.0  # nothing calibrated for it: the plain model's
+
+
 def test_report_shows_components_and_prediction(tmp_path):
     from common.report import write_report
     from common.results import append_row
@@ -212,15 +240,20 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
 
     from helpers import ROOT, check_ok, clean_env, rows, run, tiny_args
 
-    cal = tmp_path / "cal.json"
-    proc = subprocess.run([sys.executable, "benchmark.py", "calibrate", "--model", "resnet18", "--image-size", "32",
+    cal, matrix = tmp_path / "cal.json", tmp_path / "m.yaml"
+    matrix.write_text("presets:\n  t:\n    args: {optimizer: sgd}\n    runs: [{script: pytorch_DDP.py}, "
+                      "{script: pytorch_PP.py}]\n")
+    proc = subprocess.run([sys.executable, "benchmark.py", "calibrate", "--preset", "t", "--matrix", str(matrix),
+                           "--model", "resnet18", "--image-size", "32",
                            "--batch-size", "16", "--world-sizes", "1,2", "--microbatches", "0", "--steps", "2",
                            "--link-max-bytes", "256K", "--threads", "1", "--out", str(cal)],
                           cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(cal.read_text())
+    # DDP on one process under torchrun (its strategy's own entry); the pipeline needs 2 ranks: none
     assert set(data["compute"]) == {key("resnet18", 32, 16, "fp32", "sgd", 1, 1),
-                                    key("resnet18", 32, 8, "fp32", "sgd", 2, 1)}
+                                    key("resnet18", 32, 8, "fp32", "sgd", 2, 1),
+                                    key("resnet18", 32, 8, "fp32@ddp", "sgd", 2, 1)}
     assert {"all_reduce", "all_gather", "reduce_scatter", "broadcast"} <= set(data["links"]["2"])
     check_ok(run("pytorch_SingleGPU.py", tiny_args(tmp_path, calibration=str(cal))))
     (row,) = rows(tmp_path / "summary.csv")

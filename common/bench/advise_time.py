@@ -40,7 +40,10 @@ def inputs(opts, setup):
             raise UsageError(f"--calibration {opts.calibration}: no calibration there (run benchmark.py calibrate)")
         cuda = data.get("device_type") == "cuda"
         procs = 1 if cuda else setup.world_size
-        got = _calibrated(data, setup.model, setup.image_size, micro, mode, setup.optimizer, procs)
+        # the strategy's own one-process run where calibrate made one (timepred.py reads it so too)
+        fields = (data, setup.model, setup.image_size, micro)
+        got = _calibrated(*fields, f"{mode}@{setup.strategy}", setup.optimizer, procs) or \
+            _calibrated(*fields, mode, setup.optimizer, procs)
         if got is None:
             return None
         compute = Compute(got["fwd_ms"], got["bwd_ms"], got["opt_ms"], 0.0, f"calibrated on {data['device_name']}")

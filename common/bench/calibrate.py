@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from ..config import UsageError
+from ..config import UsageError, to_flags
 from ..names import classification_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,6 +46,8 @@ def add_args(p) -> None:
                    "ranks, benchmark.py's OMP_NUM_THREADS rule)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per setup (after 3 warm-up steps)")
     p.add_argument("--link-max-bytes", default="16M", help="largest collective message timed (K, M, G suffixes)")
+    p.add_argument("--no-strategies", action="store_true", help="skip the distributed runs of the preset on one "
+                   "process (each strategy's own host work; fp32)")
     p.add_argument("--out", default=os.path.join("results", "calibration.json"), help="the calibration file")
 
 
@@ -56,25 +58,33 @@ SCRIPT = {"fp32": ("pytorch_SingleGPU.py", None), "amp_fp16": ("pytorch_auto_mix
 
 def _spawn(spec: dict, procs: int, threads: int) -> dict:
     """`procs` single-device runs at once (the project's own loop, its step_compute_ms and
-    step_optimizer_ms); the slowest one's figures (it sets a synchronous step's pace). Forward and
-    backward are split 1:2, as their FLOPs are."""
+    step_optimizer_ms); the slowest one's figures (it sets a synchronous step's pace)."""
+    script, precision = SCRIPT[spec["mode"]]
+    cmds = [[sys.executable, script, *to_flags(_run_args(spec)), *(["--precision", precision] if precision else [])]
+            for _ in range(procs)]
+    return _concurrent(cmds, threads, f"{script} {spec}")[0]
+
+
+def _run_args(spec: dict) -> dict:
+    warmup, b = 3, spec["batch"]
+    return {"device": spec["device"], "dataset": "synthetic", "pretrained": False, "model": spec["model"],
+            "image_size": spec["image_size"], "batch_size": b, "optimizer": spec["optimizer"], "epochs": 1,
+            "train_samples": b * (warmup + spec["steps"]), "test_samples": b, "workers": 0, "warmup_steps": 0,
+            "log_every": 0, "timing_warmup_steps": warmup, "loader_probe_batches": 0, "epoch_checkpoints": False}
+
+
+def _concurrent(cmds: list[list[str]], threads: int, what: str) -> tuple[dict, dict]:
+    """Runs the commands at once (each with its own results and checkpoint folder); the slowest one's
+    compute and optimizer phases, split 1:2 into forward and backward as their FLOPs are, and its row."""
     from ..results import read_rows
 
-    script, precision = SCRIPT[spec["mode"]]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    warmup, steps, b = 3, spec["steps"], spec["batch"]
     with tempfile.TemporaryDirectory() as tmp:
         running = []
-        for i in range(procs):
-            cmd = [sys.executable, script, "--device", spec["device"], "--dataset", "synthetic", "--no-pretrained",
-                   "--model", spec["model"], "--image-size", str(spec["image_size"]), "--batch-size", str(b),
-                   "--optimizer", spec["optimizer"], "--epochs", "1", "--train-samples", str(b * (warmup + steps)),
-                   "--test-samples", str(b), "--workers", "0", "--warmup-steps", "0", "--log-every", "0",
-                   "--timing-warmup-steps", str(warmup), "--loader-probe-batches", "0", "--no-epoch-checkpoints",
-                   "--results", os.path.join(tmp, f"{i}.csv"), "--save-dir", os.path.join(tmp, f"ck{i}")]
-            cmd += ["--precision", precision] if precision else []
+        for i, cmd in enumerate(cmds):
+            cmd = cmd + ["--results", os.path.join(tmp, f"{i}.csv"), "--save-dir", os.path.join(tmp, f"ck{i}")]
             err = open(os.path.join(tmp, f"{i}.err"), "w")  # a file, not a pipe nobody reads while it runs
             running.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err), err))
         codes = [proc.wait() for proc, _ in running]  # all of them, also when one failed
@@ -86,10 +96,35 @@ def _spawn(spec: dict, procs: int, threads: int) -> dict:
             if code or not rows or rows[-1]["status"] != "ok":
                 with open(os.path.join(tmp, f"{i}.err")) as fh:
                     last = (fh.read().strip().splitlines() or ["?"])[-1]
-                raise UsageError(f"calibration run {script} {spec} failed: {last}")
-            got.append({"compute": float(rows[-1]["step_compute_ms"]), "opt": float(rows[-1]["step_optimizer_ms"])})
-    compute, opt = max(g["compute"] for g in got), max(g["opt"] for g in got)
-    return {"fwd_ms": compute / 3, "bwd_ms": 2 * compute / 3, "opt_ms": opt}
+                raise UsageError(f"calibration run {what} failed: {last}")
+            got.append(rows[-1])
+    compute = max(float(r["step_compute_ms"]) for r in got)
+    opt = max(float(r["step_optimizer_ms"]) for r in got)
+    return {"fwd_ms": compute / 3, "bwd_ms": 2 * compute / 3, "opt_ms": opt}, got[0]
+
+
+def _strategy_runs(opts, spec: dict, n: int, gpus: int, threads: int, procs: int) -> list[tuple[str, dict]]:
+    """Each distributed run of the preset on ONE process at a rank's micro-batch of an n-rank run, under
+    its own launcher (`procs` at once on a CPU, as for the plain compute): the strategy's host work
+    around the same compute (DDP's bucket copies, FSDP2's copy-in/copy-out, DeepSpeed's hooks and
+    flat buffers) without a peer to talk to. (key mode, figures) per run; a pipeline needs 2 ranks."""
+    from ..registry import BY_FILE
+    from .matrix import command, load_matrix
+
+    out = []
+    for run in load_matrix(opts.matrix, opts.preset, None, gpus):
+        s = BY_FILE[run["script"]]
+        if not s.distributed or s.max_processes or run["gpu_only"] and not gpus:
+            continue
+        run = {**run, "nproc": 1, "args": {**run["args"], **_run_args(spec)}}
+        cmds = [command(run, gpus, os.devnull)[0] for _ in range(procs)]  # --results, --save-dir follow
+        try:
+            got, row = _concurrent(cmds, threads, f"{run['name']} at 1 process")
+        except UsageError as exc:
+            print(f"strategy {run['name']}: not calibrated ({exc})", flush=True)
+            continue
+        out.append((f"{spec['mode']}@{row['strategy']}", got))
+    return out
 
 
 def _links(world: int, device: str, threads: int, max_bytes: str = "16M") -> dict:
@@ -168,6 +203,15 @@ def calibrate(opts) -> int:
                 data["compute"][k] = {m: round(v, 4) for m, v in got.items()}
                 print(f"compute {k}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
                       f"optimizer {got['opt_ms']:.2f} ms", flush=True)
+        if n > 1 and not opts.no_strategies:
+            for mode in [m for m in modes if m == "fp32"]:
+                spec = {"model": model, "image_size": image, "batch": max(1, batch // n), "mode": mode,
+                        "optimizer": optimizer, "device": device.type, "steps": opts.steps}
+                for smode, got in _strategy_runs(opts, spec, n, 1 if cuda else 0, threads, procs):
+                    k = key(model, image, spec["batch"], smode, optimizer, procs, threads)
+                    data["compute"][k] = {m: round(v, 4) for m, v in got.items()}
+                    print(f"compute {k}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
+                          f"optimizer {got['opt_ms']:.2f} ms", flush=True)
         if n > 1:
             links = _links(n, device.type, threads, opts.link_max_bytes)
             data["links"][str(n)] = links

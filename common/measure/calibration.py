@@ -11,6 +11,11 @@ results/calibration.json holds, with the machine's fingerprint (device name, CPU
            counts. On a GPU one process measures (each rank has its own device).
   links    per world size: latency (us) and bus bandwidth (GB/s) of each collective, fitted to
            benchmarks/collectives.py over message sizes (t = latency + S x bus factor / busbw).
+  compute entries whose mode reads "fp32@<strategy>" (fp32@fsdp_full-shard, fp32@deepspeed_zero2, ...):
+           the distributed script of that strategy run on ONE process at a rank's micro-batch, under its
+           own launcher. Its compute and optimizer phases carry the strategy's host work (DDP's bucket
+           copies, FSDP2's copy-in/copy-out, DeepSpeed's hooks and flat buffers) with no peer to wait
+           for; the links add the communication. A run of that strategy reads this entry first.
 Compute modes: fp32; amp_fp16/amp_bf16 (autocast: DDP, ZeRO, accelerate DDP, FSDP's param_dtype is
 close to it); pure_fp16/pure_bf16 (the model in half: pytorch_half_precision.py, DeepSpeed).
 """

@@ -4,7 +4,8 @@ what it measured.
 The prediction (common/measure/timemodel.py) takes this run's setup (strategy, world size, precision,
 micro-batch, optimizer: the memory model's Setup, or a pipeline's schedule) and the measured inputs
 of `python benchmark.py calibrate` for this machine (--calibration, default results/calibration.json):
-one process's forward, backward and optimizer time at the run's micro-batch and compute mode, and
+one process's forward, backward and optimizer time at the run's micro-batch and compute mode (of
+this strategy's script run on one process where calibrate ran it, else of the single-device script), and
 the collectives' latency and bus bandwidth at the run's world size. The input pipeline's time per
 step comes from this run's loader_img_s (measured before training) when the loader runs in the
 training process (--workers 0); with workers it is taken as hidden. Nothing of the timed window
@@ -45,8 +46,12 @@ class TimePrediction(Instrument):
         mode = compute_mode(s.strategy, s.precision)
         cuda = self.device.type == "cuda"
         procs = 1 if cuda else int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
-        c, why = find_compute(data, device_name(self.device), s.model, s.image_size, micro, mode, s.optimizer,
-                              procs, 1 if cuda else torch.get_num_threads(), s.channels_last)
+        args = (data, device_name(self.device), s.model, s.image_size, micro)
+        rest = (s.optimizer, procs, 1 if cuda else torch.get_num_threads(), s.channels_last)
+        # the strategy's own run on one process (its host work around the compute), else the plain model's
+        c, why = find_compute(*args, f"{mode}@{self.strategy}", *rest)
+        if c is None:
+            c, why = find_compute(*args, mode, *rest)
         if c is None:
             return None, f"{why} in {path}: run benchmark.py calibrate"
         link = find_link(data, s.world_size) if s.world_size > 1 else Link()
