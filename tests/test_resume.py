@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 def args(tmp_path, script):
     extra = {"precision": "bf16"} if "mixed" in script else {}
-    return tiny_args(tmp_path, epochs=3, **extra)  # 4 steps an epoch; killed after the first epoch's checkpoint
+    return tiny_args(tmp_path, epochs=2, **extra)  # 4 steps an epoch; killed after the first epoch's checkpoint
 
 
 def start(script, argv, nproc):
