@@ -15,7 +15,12 @@ from launches import launched  # noqa: E402,F401  the session's shared end-to-en
 
 # Every test runs on this one host, the Slurm "nodes" included: gloo talks over loopback, whatever the
 # hostname resolves to (common/distributed.py, gloo_on_loopback_when_one_node, says why it matters).
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+if "GLOO_SOCKET_IFNAME" not in os.environ:
+    import socket
+
+    _loopback = [n for _, n in socket.if_nameindex() if n in ("lo", "lo0")]  # lo0: macOS
+    if _loopback:
+        os.environ["GLOO_SOCKET_IFNAME"] = _loopback[0]
 
 # caches and environments, not the project's files
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".ruff_cache", ".pytest_cache", ".mypy_cache"}
@@ -88,6 +93,8 @@ def pytest_runtest_setup(item):
 def pytest_collection_finish(session):
     """Before any end-to-end test: two processes must form a gloo group here, or the suite stops at once
     with why (each launch would otherwise wait out its own timeout: a CI run of 90 minutes, all red)."""
+    if session.config.option.collectonly:
+        return
     if any(item.get_closest_marker("slow") for item in session.items):
         from helpers import gloo_pair_problem
 
@@ -96,14 +103,20 @@ def pytest_collection_finish(session):
             pytest.exit(problem, returncode=3)
         # the first DeepSpeed process of an environment compiles an op (common/bench/doctor.py says which):
         # minutes that would otherwise fall inside whichever launch comes first, and its timeout
+        import signal
         import subprocess
 
-        proc = subprocess.run([sys.executable, "-c", "from common.bench.doctor import build_deepspeed_cpu_ops as b; "
-                               "print(b())"], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+        proc = subprocess.Popen([sys.executable, "-c", "from common.bench.doctor import build_deepspeed_cpu_ops as b; "
+                                 "print(b())"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=1500)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the compilers with it
+            pytest.exit("DeepSpeed's CPU op did not build within 1500 s", returncode=3)
         if proc.returncode:
-            pytest.exit(f"DeepSpeed's CPU op did not build: {(proc.stderr.strip().splitlines() or ['?'])[-1]}",
-                        returncode=3)
-        sys.stderr.write(f"\nDeepSpeed's CPU op: {proc.stdout.strip().splitlines()[-1]}\n")
+            pytest.exit(f"DeepSpeed's CPU op did not build: {(err.strip().splitlines() or ['?'])[-1]}", returncode=3)
+        sys.stderr.write(f"\nDeepSpeed's CPU op: {(out.strip().splitlines() or ['?'])[-1]}\n")
 
 
 # A launch that overruns its timeout is killed (subprocess.run kills the launcher), and its workers
@@ -127,8 +140,7 @@ SUBREAPER = sys.platform == "linux" and _subreaper()
 
 
 def descendants(root: int) -> dict[int, str]:
-    """{pid: command name} of every live process under root, read from /proc; reaps root's dead children
-    that nobody waits for (orphans the subreaper inherited and that ended)."""
+    """{pid: command name} of every live process under root, read from /proc."""
     parent, name = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -142,11 +154,6 @@ def descendants(root: int) -> dict[int, str]:
         fields = stat[comm_end + 2:].split()
         if fields[0] != "Z":
             parent[int(entry)], name[int(entry)] = int(fields[1]), stat[stat.index("(") + 1:comm_end]
-        elif int(fields[1]) == root == os.getpid():
-            try:
-                os.waitpid(int(entry), os.WNOHANG)
-            except ChildProcessError:  # a child a Popen of the test's own still holds
-                pass
     found, frontier = {}, [root]
     while frontier:
         here = frontier.pop()
@@ -158,15 +165,21 @@ def descendants(root: int) -> dict[int, str]:
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    # after set-up: what module and session fixtures started belongs to them, not to the test
+    item._procs_before = set(descendants(os.getpid())) if SUBREAPER else set()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     before = set(descendants(os.getpid())) if SUBREAPER else set()
     yield
     failed = any(r.failed for r in getattr(item, "_reports", []))
-    if SUBREAPER and not failed:
-        descendants(os.getpid())  # reaps
     if SUBREAPER and failed:
         import signal
 
+        before = getattr(item, "_procs_before", before)
         left = {p: n for p, n in descendants(os.getpid()).items() if p not in before and n not in DAEMONS}
         for pid in left:
             try:
@@ -174,7 +187,11 @@ def pytest_runtest_protocol(item, nextitem):
             except ProcessLookupError:
                 pass
         time.sleep(0.5)
-        descendants(os.getpid())  # reaps those that were its children
+        for pid in left:  # those the subreaper inherited are its children now: no zombies of ours left
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
         if left:
             sys.stderr.write(f"\n{item.nodeid} failed and left {len(left)} process(es); killed: "
                              f"{', '.join(sorted(set(left.values())))}\n")
