@@ -57,6 +57,36 @@ def run(script: str, args: list[str], nproc: int = 1, launcher: str = "python", 
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_at_once(jobs: dict, timeout: int = 300) -> dict:
+    """{key: (script, args)} -> {key: CompletedProcess}: each a `python script args` of its own, all started
+    together. For the checks whose process only starts and refuses (a bad flag, a bad file): each spends
+    its ~3.5 s importing torch on one core, so on two cores they take half the time one after another
+    would. Output goes to files (a full pipe nobody reads would stall a process)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        started = {}
+        for i, (key, (script, args)) in enumerate(jobs.items()):
+            out, err = open(os.path.join(tmp, f"{i}.out"), "w+"), open(os.path.join(tmp, f"{i}.err"), "w+")
+            cmd = [sys.executable, script, *args]
+            started[key] = (cmd, subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=out, stderr=err, text=True),
+                            out, err)
+        done = {}
+        for key, (cmd, proc, out, err) in started.items():
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+            texts = []
+            for fh in (out, err):
+                fh.seek(0)
+                texts.append(fh.read())
+                fh.close()
+            done[key] = subprocess.CompletedProcess(cmd, code, *texts)
+    return done
+
+
 def rows(path) -> list[dict]:
     if not os.path.exists(path):
         return []

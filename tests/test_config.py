@@ -1,5 +1,5 @@
 import pytest
-from helpers import one_line_error, rows, run, tiny_args
+from helpers import one_line_error, rows, run_at_once, tiny_args
 
 from common.config import TrainConfig, UsageError, parse_config
 
@@ -95,24 +95,36 @@ def test_an_unknown_model_is_refused_while_parsing():
     assert parse_config(TrainConfig, argv=["--model", "resnet18"]).model == "resnet18"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("extra, words", [
+BAD_FLAGS = [
     (["--bogus-flag"], "unrecognized arguments"),
     (["--epochs", "0"], "epochs must be >= 1"),
     (["--optimizer", "lamb"], "invalid choice"),
     (["--model", "resnet5000"], "unknown model 'resnet5000'"),
     (["--batch-size", "10", "--train-samples", "8"], "fewer than one global batch"),
     (["--grad-checkpointing", "--model", "mobilenet_v3_small"], "supports ResNet-family"),
-])
-def test_bad_flags_one_line_and_results_untouched(tmp_path, extra, words):
-    results = tmp_path / "summary.csv"
-    proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path) + extra)
-    assert words in one_line_error(proc)
-    assert not results.exists()
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """This module's bad-input runs, started together (helpers.run_at_once): {key: (its folder, its process)}."""
+    root = tmp_path_factory.mktemp("refused")
+    jobs = {i: ("pytorch_SingleGPU.py", tiny_args(root / str(i)) + extra) for i, (extra, _) in enumerate(BAD_FLAGS)}
+    jobs["config"] = ("pytorch_SingleGPU.py", tiny_args(root / "config") +
+                      ["--config", write(root, "learning_rate: 1\n")])
+    return {k: (root / str(k), proc) for k, proc in run_at_once(jobs).items()}
 
 
 @pytest.mark.slow
-def test_bad_config_file_via_script(tmp_path):
-    proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path) + ["--config", write(tmp_path, "learning_rate: 1\n")])
+@pytest.mark.parametrize("i", range(len(BAD_FLAGS)), ids=[w for _, w in BAD_FLAGS])
+def test_bad_flags_one_line_and_results_untouched(refused, i):
+    folder, proc = refused[i]
+    assert BAD_FLAGS[i][1] in one_line_error(proc)
+    assert not (folder / "summary.csv").exists()
+
+
+@pytest.mark.slow
+def test_bad_config_file_via_script(refused):
+    folder, proc = refused["config"]
     assert "unknown config key 'learning_rate'" in one_line_error(proc)
-    assert rows(tmp_path / "summary.csv") == []
+    assert rows(folder / "summary.csv") == []

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import ROOT, check_ok, clean_env, rows, run, tiny_args
+from helpers import ROOT, check_ok, clean_env, rows, run, run_at_once, tiny_args
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -165,16 +165,25 @@ def test_advise_articles_setup():
     assert lines[-1].startswith("recommendation: ddp:"), lines[-1]  # activations dominate ResNet50
 
 
-@pytest.mark.slow  # launches processes
-@pytest.mark.parametrize("args, words", [
+ADVISE_BAD = [
     (["--gpu-memory-gib", "0"], "--gpu-memory-gib must be > 0"),
     (["--gpu-memory-gib", "24", "--gpus", "3"], "does not divide by --gpus 3"),
     (["--gpu-memory-gib", "24", "--model", "nonet"], "unknown model 'nonet'"),
-])
-def test_advise_bad_input(args, words):
-    proc = advise(*args)
+]
+
+
+@pytest.fixture(scope="module")
+def advise_refused():
+    """`benchmark.py advise` on each of ADVISE_BAD, started together (helpers.run_at_once)."""
+    return run_at_once({i: ("benchmark.py", ["advise", *args]) for i, (args, _) in enumerate(ADVISE_BAD)}, timeout=120)
+
+
+@pytest.mark.slow  # launches processes
+@pytest.mark.parametrize("i", range(len(ADVISE_BAD)), ids=[w for _, w in ADVISE_BAD])
+def test_advise_bad_input(advise_refused, i):
+    proc = advise_refused[i]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().count("\n") == 0 and words in proc.stderr, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and ADVISE_BAD[i][1] in proc.stderr, proc.stderr
 
 
 def tracked_peak_gib(model: str, batch: int, size: int = 224) -> float:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from helpers import check_ok, one_line_error, pp_bytes_per_step, rows, run, tiny_args
+from helpers import check_ok, one_line_error, pp_bytes_per_step, rows, run, run_at_once, tiny_args
 from test_scripts import load_bare
 
 from common.config import TrainConfig, UsageError
@@ -76,15 +76,27 @@ def test_interleaved_pipeline_and_resume(tmp_path):
     assert all(torch.equal(first[k], again[k]) for k in first)
 
 
-@pytest.mark.slow  # launches processes
-@pytest.mark.parametrize("script, extra, words", [
+REFUSALS = [
     ("pytorch_PP.py", {"microbatches": 3}, "does not split into 3 micro-batches"),
     ("pytorch_PP.py", {"split": "1,1"}, "summing to 4"),
     ("pytorch_MP.py", {"model": "mobilenet_v3_small"}, "split ResNet-family models"),
-])
-def test_refusals_are_one_line(tmp_path, script, extra, words):
-    assert words in one_line_error(run(script, tiny_args(tmp_path, **extra)))  # PP alone: a pipeline of one
-    assert rows(tmp_path / "summary.csv") == []
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """REFUSALS' runs (PP alone: a pipeline of one), started together: {i: (its folder, its process)}."""
+    root = tmp_path_factory.mktemp("refused")
+    got = run_at_once({i: (script, tiny_args(root / str(i), **extra)) for i, (script, extra, _) in enumerate(REFUSALS)})
+    return {i: (root / str(i), proc) for i, proc in got.items()}
+
+
+@pytest.mark.slow  # launches processes
+@pytest.mark.parametrize("i", range(len(REFUSALS)), ids=[f"{s[:-3]}-{w}" for s, _, w in REFUSALS])
+def test_refusals_are_one_line(refused, i):
+    folder, proc = refused[i]
+    assert REFUSALS[i][2] in one_line_error(proc)
+    assert rows(folder / "summary.csv") == []
 
 
 @pytest.mark.slow  # launches processes

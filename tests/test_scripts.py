@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torchvision
-from helpers import check_ok, half_size, one_line_error, pp_bytes_per_step, rows, run, tiny_args
+from helpers import check_ok, half_size, one_line_error, pp_bytes_per_step, rows, run, run_at_once, tiny_args
 from launches import HALF_MODEL
 from test_comm import ddp_calls_per_step
 from test_guards import ddp_buckets
@@ -139,19 +139,34 @@ def test_deepspeed_launcher(launched):
     assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")
 
 
-@pytest.mark.parametrize("content, words", [
+DS_REFUSALS = [
     ('{"train_batch_size": 64}', "train_batch_size is 64 but the flags give 16"),
     ('{"gradient_accumulation_steps": 2}', "or 1 (the DeepSpeed scripts do not accumulate gradients)"),
     ('{"optimizer": {"type": "Adam", "params": {"lr": 0.001}}}', "defines a optimizer"),
     ('{"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": false}}',
      "stage3_gather_16bit_weights_on_model_save is false"),
-])
-def test_deepspeed_json_refusals(tmp_path, content, words):
-    bad = tmp_path / "ds.json"
-    bad.write_text(content)
-    proc = run("pytorch_DeepSpeed.py", tiny_args(tmp_path, deepspeed_config=str(bad)))
-    assert words in one_line_error(proc)
-    assert rows(tmp_path / "summary.csv") == []
+]
+
+
+@pytest.fixture(scope="module")
+def ds_refused(tmp_path_factory):
+    """pytorch_DeepSpeed.py on each bad JSON of DS_REFUSALS, and with a flag it does not take (--compile),
+    started together (helpers.run_at_once): {key: (its folder, its process)}."""
+    root = tmp_path_factory.mktemp("ds_refused")
+    jobs = {}
+    for i, (content, _) in enumerate(DS_REFUSALS):
+        (root / str(i)).mkdir()
+        (root / str(i) / "ds.json").write_text(content)
+        jobs[i] = ("pytorch_DeepSpeed.py", tiny_args(root / str(i), deepspeed_config=str(root / str(i) / "ds.json")))
+    jobs["compile"] = ("pytorch_DeepSpeed.py", tiny_args(root / "compile") + ["--compile"])
+    return {k: (root / str(k), proc) for k, proc in run_at_once(jobs).items()}
+
+
+@pytest.mark.parametrize("i", range(len(DS_REFUSALS)), ids=[c for c, _ in DS_REFUSALS])
+def test_deepspeed_json_refusals(ds_refused, i):
+    folder, proc = ds_refused[i]
+    assert DS_REFUSALS[i][1] in one_line_error(proc)
+    assert rows(folder / "summary.csv") == []
 
 
 def test_zero3_gathers_the_final_weights_unless_told_not_to(tmp_path):
@@ -177,8 +192,8 @@ def test_deepspeed_without_zero_writes_the_final_weights(tmp_path):
     load_bare(tmp_path / "ckpt" / "pytorch_DeepSpeed" / "model_final.pt")
 
 
-def test_deepspeed_refuses_flags_it_does_not_use(tmp_path):
-    proc = run("pytorch_DeepSpeed.py", tiny_args(tmp_path) + ["--compile"])
+def test_deepspeed_refuses_flags_it_does_not_use(ds_refused):
+    _, proc = ds_refused["compile"]
     assert "unrecognized arguments: --compile" in one_line_error(proc)
 
 

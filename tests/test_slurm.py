@@ -57,16 +57,21 @@ def test_ddp_through_the_torchrun_template_on_two_nodes(cluster, tmp_path):
 @pytest.mark.slow
 def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
     """The smoke preset's two scripts of torchrun and deepspeed, cut to TINY's 4 steps (the job files and
-    their launchers are the subject, not the training)."""
+    their launchers are the subject, not the training), and a job that fails (an unknown model): it
+    becomes a failed row with the script's own error, and the matrix goes on."""
     results, matrix = tmp_path / "summary.csv", tmp_path / "m.yaml"
     args = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in TINY.items()
                      if k != "device")
-    matrix.write_text(f"presets:\n  smoke:\n    timeout_s: 300\n    args: {{{args}}}\n    scripts: all\n")
+    matrix.write_text(f"presets:\n  smoke:\n    timeout_s: 300\n    args: {{{args}}}\n    scripts: all\n"
+                      "    runs: [{name: crash, script: pytorch_DDP.py, args: {model: no_such_model}}]\n")
     proc = benchmark(cluster, tmp_path, "--preset", "smoke", "--matrix", str(matrix), "--only",
                      "pytorch_DDP.py,pytorch_DeepSpeed.py", "--launcher", "slurm", "--nodes", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = {r["script"]: r for r in rows(results)}
-    assert sorted(got) == ["pytorch_DDP.py", "pytorch_DeepSpeed.py"], rows(results)
+    got = {r["run_name"]: r for r in rows(results)}
+    assert sorted(got) == ["smoke/crash", "smoke/pytorch_DDP", "smoke/pytorch_DeepSpeed"], rows(results)
+    crash = got.pop("smoke/crash")
+    assert crash["status"] == "failed" and crash["world_size"] == "2", crash
+    assert crash["error"].startswith("pytorch_DDP.py: error: ") and "no_such_model" in crash["error"], crash
     assert all(r["status"] == "ok" and r["world_size"] == "2" for r in got.values()), got
     assert (tmp_path / "slurm" / "smoke__pytorch_DDP.sbatch").exists()
     # --save-dir reached the job, as the root of its own folder (--resume auto never sees another job's)
@@ -87,21 +92,6 @@ def test_accelerate_deepspeed_through_the_accelerate_template_on_two_nodes(clust
     (row,) = rows(tmp_path / "summary.csv")
     assert row["status"] == "ok" and row["world_size"] == "2" and row["strategy"] == "accelerate_deepspeed_zero2", row
     assert int(row["test_samples"]) == 37
-
-
-@pytest.mark.slow
-def test_a_failing_job_becomes_a_failed_row(cluster, tmp_path):
-    matrix = tmp_path / "m.yaml"
-    matrix.write_text("presets:\n  broken:\n    timeout_s: 120\n"
-                      "    runs: [{name: crash, script: pytorch_DDP.py,\n"
-                      "            args: {model: no_such_model, dataset: synthetic, device: cpu}}]\n")
-    results = tmp_path / "summary.csv"
-    proc = benchmark(cluster, tmp_path, "--preset", "broken", "--matrix", str(matrix), "--launcher", "slurm",
-                     "--nodes", "2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = rows(results)
-    assert row["status"] == "failed" and row["run_name"] == "broken/crash" and row["world_size"] == "2", row
-    assert row["error"].startswith("pytorch_DDP.py: error: ") and "no_such_model" in row["error"], row
 
 
 @pytest.mark.slow  # launches processes

@@ -12,7 +12,9 @@ step_compute_ms and step_optimizer_ms over the timed window, so the loop's own c
 For every world size n: each compute mode at the micro-batch a data-parallel rank of n gets (the
 global batch / n) and, with --microbatches M, a pipeline's (batch / M); then the collectives at n
 ranks (benchmarks/collectives.py, fitted per kind). On a CPU the compute is measured by n processes
-at once, each with the threads a run of n ranks gets. Entries are merged into the file: a setup
+at once, each with the threads a run of n ranks gets. With --microbatches, a ResNet's four one-stage
+pieces are also timed one after another at the pipeline's micro-batch (a pipeline's stage shares).
+Entries are merged into the file: a setup
 measured again replaces its entry; a file calibrated on another device is replaced whole.
 """
 from __future__ import annotations
@@ -130,6 +132,66 @@ def _strategy_runs(opts, spec: dict, n: int, gpus: int, threads: int, procs: int
     return out
 
 
+def _piece_times(spec: dict, threads: int) -> list[tuple[float, float]] | None:
+    """Forward and backward ms (medians over spec["steps"] after 3 warm-up steps) of the model's four
+    one-stage pieces (common/pipeline.py split [1,1,1,1]) at spec["batch"], one piece after the other in
+    this process with `threads` threads and fresh gradients each step, as a stage rank runs them (its
+    input a leaf that needs a gradient). None for a model a pipeline cannot split."""
+    import contextlib
+    import statistics
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from ..models import build_model, stages
+    from ..pipeline import split
+
+    device = torch.device("cuda", 0) if spec["device"] == "cuda" else torch.device("cpu")
+    model = build_model(SimpleNamespace(model=spec["model"], channels_last=False), pretrained=False)
+    if not stages(model):
+        return None
+    mode = spec["mode"]
+    dtype = torch.bfloat16 if mode.endswith("bf16") else torch.float16 if mode.endswith("fp16") else torch.float32
+    model = model.to(device, dtype if mode.startswith("pure_") else torch.float32).train()
+    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if mode.startswith("amp_") else contextlib.nullcontext
+    pieces = split(model, [1, 1, 1, 1])
+    x0 = torch.randn(spec["batch"], 3, spec["image_size"], spec["image_size"], device=device,
+                     dtype=dtype if mode.startswith("pure_") else torch.float32)
+
+    def clock() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    fwd, bwd = [[] for _ in pieces], [[] for _ in pieces]
+    try:
+        for _ in range(3 + spec["steps"]):
+            model.zero_grad(set_to_none=True)
+            x, kept = x0, []
+            for i, piece in enumerate(pieces):
+                leaf = x.detach().requires_grad_(i > 0)
+                t = clock()
+                with autocast():
+                    y = piece(leaf)
+                fwd[i].append(clock() - t)
+                kept.append((leaf, y))
+                x = y
+            grad = torch.ones_like(x)
+            for i in reversed(range(len(pieces))):
+                leaf, y = kept[i]
+                t = clock()
+                y.backward(grad)
+                bwd[i].append(clock() - t)
+                grad = leaf.grad
+    finally:
+        torch.set_num_threads(before)
+    return [(round(statistics.median(f[3:]) * 1e3, 4), round(statistics.median(b[3:]) * 1e3, 4))
+            for f, b in zip(fwd, bwd)]
+
+
 def _links(world: int, device: str, threads: int, max_bytes: str = "16M") -> dict:
     from ..measure.calibration import fit_link
 
@@ -206,6 +268,15 @@ def calibrate(opts) -> int:
                 data["compute"][k] = {m: round(v, 4) for m, v in got.items()}
                 print(f"compute {k}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
                       f"optimizer {got['opt_ms']:.2f} ms", flush=True)
+        if n > 1 and opts.microbatches:
+            for mode in modes:
+                spec = {"model": model, "image_size": image, "batch": max(1, batch // opts.microbatches),
+                        "mode": mode, "device": device.type, "steps": opts.steps}
+                got = _piece_times(spec, threads)
+                if got:
+                    k = key(model, image, spec["batch"], mode, "-", 1, threads)
+                    data.setdefault("pieces", {})[k] = got
+                    print(f"pieces {k}: " + ", ".join(f"{f:.2f}+{b:.2f} ms" for f, b in got), flush=True)
         if n > 1 and not opts.no_strategies:
             for mode in [m for m in modes if m == "fp32"]:
                 spec = {"model": model, "image_size": image, "batch": max(1, batch // n), "mode": mode,

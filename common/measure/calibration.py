@@ -16,6 +16,11 @@ results/calibration.json holds, with the machine's fingerprint (device name, CPU
            own launcher. Its compute and optimizer phases carry the strategy's host work (DDP's bucket
            copies, FSDP2's copy-in/copy-out, DeepSpeed's hooks and flat buffers) with no peer to wait
            for; the links add the communication. A run of that strategy reads this entry first.
+  pieces   per (model, image size, pipeline micro-batch, compute mode, threads): the forward and backward
+           ms of a ResNet's four one-stage pieces (stem+layer1, layer2, layer3, layer4+head: the finest
+           pipeline split), timed one after another in one process. A pipeline's stage shares come
+           from them (the compute entry still gives the whole micro-batch's time, under the ranks'
+           contention); FLOPs misjudge them on a CPU, where a small layer4's weights set its pace.
 Compute modes: fp32; amp_fp16/amp_bf16 (autocast: DDP, ZeRO, accelerate DDP, FSDP's param_dtype is
 close to it); pure_fp16/pure_bf16 (the model in half: pytorch_half_precision.py, DeepSpeed).
 """
@@ -90,6 +95,15 @@ def find_compute(data: dict, device_name: str, model: str, image_size: int, batc
     scale = batch / b
     return ({"fwd_ms": v["fwd_ms"] * scale, "bwd_ms": v["bwd_ms"] * scale, "opt_ms": v["opt_ms"]},
             f"scaled x{scale:.2f} from {other}")
+
+
+def find_pieces(data: dict | None, device_name: str, model: str, image_size: int, batch: int, mode: str,
+                threads: int) -> list | None:
+    """[(fwd_ms, bwd_ms)] of the four pieces at exactly this setup, or None (FLOP shares then)."""
+    if not data or data.get("device_name") != device_name:
+        return None
+    got = data.get("pieces", {}).get(key(model, image_size, batch, mode, "-", 1, threads))
+    return [tuple(v) for v in got] if got else None
 
 
 def find_link(data: dict | None, world: int):

@@ -27,7 +27,11 @@ order; a collective starts when its inputs are ready and the link is free:
   dp                     (one process, n GPUs) weights broadcast and gradients reduced, not overlapped
   pp_*                   GPipe and 1F1B: (m + s - 1) slots of the slowest stage's forward and backward
                          of one micro-batch (both schedules have the same bubble), plus each slot's
-                         activation send and gradient receive; the optimizer of the largest stage
+                         activation send and gradient receive; the optimizer of the largest stage.
+                         The slowest stage is the one with the largest share of the measured time of
+                         the model's four pieces (calibrate times them) where the calibration has
+                         them, else of the FLOPs: on a CPU at 32 px resnet18's layer4 holds 23% of
+                         the FLOPs and ~57% of the time (its weights, not its arithmetic, set its pace)
 Collective time: latency + S x bus factor / bus bandwidth (nccl-tests doc/PERFORMANCE.md, the same
 S and factors as the communication columns).
 
@@ -181,9 +185,11 @@ def _forward_backward(s: _Schedule, us, c: Compute) -> tuple[list[int], list[int
 
 
 def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strategy: str | None = None,
-                 microbatches: int = 1, stages: list[int] | None = None) -> StepPrediction:
+                 microbatches: int = 1, stages: list[int] | None = None,
+                 pieces: list | None = None) -> StepPrediction:
     """The predicted step of `setup` (its strategy, or `strategy` for pp_* that the memory model does not
-    know); c is one rank's compute at the setup's micro-batch."""
+    know); c is one rank's compute at the setup's micro-batch. pieces: a pipeline's measured forward and
+    backward ms of the model's four one-stage pieces (calibration.find_pieces), else FLOP shares."""
     st = strategy or setup.strategy
     n = setup.world_size
     us = units(setup.model, setup.image_size)
@@ -196,7 +202,7 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
         g_bytes = 2 if st.startswith("accelerate_fsdp") else 4
     p = StepPrediction(data_ms=c.data_ms * setup.grad_accum)
     if st.startswith("pp_"):
-        return _pipeline(p, us, c, link, overlap, n, microbatches, stages or [], setup)
+        return _pipeline(p, us, c, link, overlap, n, microbatches, stages or [], setup, pieces)
     s = _Schedule(overlap)
     accum = setup.grad_accum
     for _ in range(accum - 1):  # micro-batches before the last: no gradient communication (no_sync)
@@ -277,11 +283,16 @@ def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_byte
 
 
 def _pipeline(p: StepPrediction, us, c: Compute, link: Link, overlap: bool, n: int, m: int, stages: list[int],
-              setup: Setup) -> StepPrediction:
+              setup: Setup, pieces: list | None = None) -> StepPrediction:
     """c is the compute of ONE micro-batch through the whole model; stages: ResNet stages per piece."""
     shares, params, cut_bytes = _stage_split(us, stages or [4], setup)
-    slot_f = max(shares) * c.fwd_ms
-    slot_b = max(shares) * c.bwd_ms
+    fwd, bwd = shares, shares
+    if pieces:
+        fwd, bwd = _piece_shares(pieces, stages or [4])
+        p.notes.append("stage shares of the measured pieces")
+    slowest = max(range(len(fwd)), key=lambda i: fwd[i] * c.fwd_ms + bwd[i] * c.bwd_ms)
+    slot_f = fwd[slowest] * c.fwd_ms
+    slot_b = bwd[slowest] * c.bwd_ms
     slots = m + len(shares) - 1
     micro = max(1, setup.batch_size // max(1, m))
     # one activation forward and its gradient back per micro-batch and cut
@@ -291,6 +302,18 @@ def _pipeline(p: StepPrediction, us, c: Compute, link: Link, overlap: bool, n: i
     p.comm_exposed_ms = p.comm_ms if not overlap else 2 * send  # overlapped but the first and the last
     p.optimizer_ms = c.opt_ms * max(params) / max(1, sum(params))
     return p
+
+
+def _piece_shares(pieces: list, counts: list[int]) -> tuple[list[float], list[float]]:
+    """Per stage of `counts` ResNet stages each: its share of the forward and of the backward time,
+    from the four one-stage pieces' (fwd_ms, bwd_ms) (stem with the first, head with the last)."""
+    tf, tb = sum(f for f, _ in pieces) or 1.0, sum(b for _, b in pieces) or 1.0
+    out_f, out_b, first = [], [], 0
+    for k in counts:
+        out_f.append(sum(f for f, _ in pieces[first:first + k]) / tf)
+        out_b.append(sum(b for _, b in pieces[first:first + k]) / tb)
+        first += k
+    return out_f, out_b
 
 
 def _stage_split(us, counts: list[int], setup: Setup) -> tuple[list[float], list[int], list[float]]:

@@ -21,7 +21,7 @@ import torch
 
 from ..distributed import world_size
 from . import Instrument
-from .calibration import DEFAULT, compute_mode, find_compute, find_link, load
+from .calibration import DEFAULT, compute_mode, find_compute, find_link, find_pieces, load
 from .timemodel import Compute, Link, predict_step
 
 
@@ -63,14 +63,15 @@ class TimePrediction(Instrument):
             # and the slowest stage's for a pipeline (each loads all of it): either way global batch / rate
             data_ms = s.batch_size / self.loader_img_s * 1e3
         compute = Compute(c["fwd_ms"], c["bwd_ms"], c["opt_ms"], data_ms, why)
-        stages = None
+        stages = pieces = None
         if pp:
             from ..pipeline import plan
             from .memory import meta_model
 
             stages = plan(meta_model(s.model), s.world_size, cfg.split)
+            pieces = find_pieces(data, device_name(self.device), s.model, s.image_size, micro, mode, rest[2])
         return predict_step(s, compute, link, overlap=cuda, strategy=self.strategy,
-                            microbatches=getattr(cfg, "microbatches", 1), stages=stages), None
+                            microbatches=getattr(cfg, "microbatches", 1), stages=stages, pieces=pieces), None
 
     def row(self) -> dict:
         out = dict.fromkeys(("pred_step_ms", "pred_img_s", "pred_time_error_pct"))
