@@ -447,13 +447,16 @@ def _comm(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
 
 def _scaling(df: pd.DataFrame, reference_csv: str | None, out_dir: str) -> list[str]:
     """Throughput against world size per strategy (benchmark.py --world-sizes), with the ideal line
-    (the smallest world's throughput x w / w0) and the scaling efficiency (measured / ideal)."""
+    (the smallest world's throughput x w / w0) and the scaling efficiency (measured / ideal); beside
+    them the step model's prediction (pred_img_s) and the efficiency it predicts, the same ratio of
+    its own figures, where the rows have one (dotted in the chart)."""
     ok = df[(df.status == "ok") & df.scaling.isin(["strong", "weak"])]
     if ok.empty:
         return []
     lines = ["## Scaling (benchmark.py --world-sizes)", "",
              "Strong: the global batch is fixed; weak: the per-rank batch is fixed. Efficiency = throughput / "
-             "(throughput at the smallest world size x w / w0); the bytes per step explain what it costs.", ""]
+             "(throughput at the smallest world size x w / w0); the bytes per step explain what it costs. "
+             "Predicted: the step model's img/s (pred_img_s, docs/time.md) and the efficiency it gives.", ""]
     for key, part in ok.groupby(["device_name", "model", "image_size", "dataset", "scaling"], sort=False):
         device, model, size, dataset, scaling = key
         title = f"{device}: {model} at {_fmt(size, 0)} px, {dataset}, {scaling} scaling"
@@ -462,20 +465,26 @@ def _scaling(df: pd.DataFrame, reference_csv: str | None, out_dir: str) -> list[
         for (strategy, precision), runs in part.groupby(["strategy", "precision"], sort=False):
             runs = runs.groupby("world_size").tail(1).sort_values("world_size")
             w0, t0 = runs.world_size.iloc[0], runs.throughput_img_s.iloc[0]
-            for _, r in runs.iterrows():
+            pred = pd.to_numeric(runs.get("pred_img_s", pd.Series(index=runs.index, dtype=float)), errors="coerce")
+            p0 = pred.iloc[0]
+            for (_, r), p in zip(runs.iterrows(), pred):
                 ideal = t0 * r.world_size / w0
+                p_eff = f"{100 * p / (p0 * r.world_size / w0):.0f}" if pd.notna(p) and pd.notna(p0) and p0 else "–"
                 table.append([strategy, precision, _fmt(r.world_size, 0), _fmt(r.global_batch_size, 0),
                               _fmt(r.throughput_img_s, 1), _fmt(ideal, 1), f"{100 * r.throughput_img_s / ideal:.0f}",
-                              _fmt(r.comm_bytes_per_step / 1e6, 1)])
+                              _fmt(p, 1), p_eff, _fmt(r.comm_bytes_per_step / 1e6, 1)])
             line = ax.plot(runs.world_size, runs.throughput_img_s, "o-", label=f"{strategy} {precision}")[0]
             ax.plot(runs.world_size, t0 * runs.world_size / w0, "--", color=line.get_color(), alpha=0.5)
+            if pred.notna().any():
+                ax.plot(runs.world_size, pred, ":", marker="x", color=line.get_color())
             bx.plot(runs.world_size, runs.comm_bytes_per_step / 1e6, "o-", color=line.get_color(),
                     label=f"{strategy} {precision}")
         for axis in (ax, bx):
             axis.set_xticks(sorted(part.world_size.unique()))
         ax.set_ylim(bottom=0)
         bx.set_ylim(bottom=0)
-        ax.set(xlabel="world size (processes)", ylabel="images / s", title="Throughput (dashed: ideal)")
+        ax.set(xlabel="world size (processes)", ylabel="images / s",
+               title="Throughput (dashed: ideal; dotted: predicted)")
         bx.set(xlabel="world size (processes)", ylabel="MB per step per rank", title="Communication volume")
         ax.legend(fontsize=7)
         fig.tight_layout()
@@ -484,7 +493,7 @@ def _scaling(df: pd.DataFrame, reference_csv: str | None, out_dir: str) -> list[
         plt.close(fig)
         lines += [f"### {title}", ""]
         lines += _table(["strategy", "precision", "world", "global batch", "img/s", "ideal img/s", "efficiency %",
-                         "comm MB/step"], table)
+                         "predicted img/s", "predicted efficiency %", "comm MB/step"], table)
         lines += ["", f"![{os.path.basename(path)}](charts/{os.path.basename(path)})", ""]
     return lines
 

@@ -248,6 +248,26 @@ def test_report_shows_components_and_prediction(tmp_path):
                                                    for p in (tmp_path / "charts").iterdir())
 
 
+def test_report_scaling_puts_the_predicted_efficiency_beside_the_measured(tmp_path):
+    """--world-sizes rows: the measured efficiency (throughput / (the smallest world's x w / w0)) and the
+    step model's, the same ratio of pred_img_s; a strategy without predictions shows a dash."""
+    from common.report import write_report
+    from common.results import append_row
+
+    csv = str(tmp_path / "s.csv")
+    for strategy, points in (("ddp", [(1, 100.0, 110.0), (2, 150.0, 176.0)]), ("fsdp_full-shard", [(1, 90.0, None),
+                                                                                                  (2, 120.0, None)])):
+        for world, img_s, pred in points:
+            append_row(csv, {"script": "pytorch_DDP.py", "status": "ok", "device_name": "CPU X", "model": "resnet18",
+                             "image_size": 32, "global_batch_size": 32, "dataset": "synthetic", "strategy": strategy,
+                             "run_name": f"t/{strategy}@w{world}", "precision": "fp32", "world_size": world,
+                             "scaling": "strong", "throughput_img_s": img_s, "pred_img_s": pred})
+    text = open(write_report(csv, str(tmp_path / "R.md"))).read()
+    assert "| predicted img/s | predicted efficiency % |" in text
+    assert "| ddp | fp32 | 2 | 32 | 150.0 | 200.0 | 75 | 176.0 | 80 |" in text  # 176 / (110 x 2)
+    assert "| fsdp_full-shard | fp32 | 2 | 32 | 120.0 | 180.0 | 67 | – | – |" in text
+
+
 def test_advise_ranks_strategies_by_predicted_speed(capsys):
     import benchmark
 

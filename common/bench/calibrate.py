@@ -14,8 +14,8 @@ global batch / n) and, with --microbatches M, a pipeline's (batch / M); then the
 ranks (benchmarks/collectives.py, fitted per kind). On a CPU the compute is measured by n processes
 at once, each with the threads a run of n ranks gets. With --microbatches, a ResNet's four one-stage
 pieces are also timed one after another at the pipeline's micro-batch (a pipeline's stage shares).
-Entries are merged into the file: a setup
-measured again replaces its entry; a file calibrated on another device is replaced whole.
+Entries are merged into the file: a setup measured again replaces its entry; a file calibrated on
+another device is replaced whole.
 """
 from __future__ import annotations
 
