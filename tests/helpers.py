@@ -72,18 +72,25 @@ def run_at_once(jobs: dict, timeout: int = 300) -> dict:
             started[key] = (cmd, subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=out, stderr=err, text=True),
                             out, err)
         done = {}
-        for key, (cmd, proc, out, err) in started.items():
-            try:
-                code = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
-            texts = []
-            for fh in (out, err):
-                fh.seek(0)
-                texts.append(fh.read())
-                fh.close()
-            done[key] = subprocess.CompletedProcess(cmd, code, *texts)
+        try:
+            for key, (cmd, proc, out, err) in started.items():
+                try:
+                    code = proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    code = proc.wait()
+                texts = []
+                for fh in (out, err):
+                    fh.seek(0)
+                    texts.append(fh.read())
+                done[key] = subprocess.CompletedProcess(cmd, code, *texts)
+        finally:  # an interrupted wait leaves no process running
+            for _, proc, out, err in started.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                out.close()
+                err.close()
     return done
 
 

@@ -307,8 +307,10 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
                           cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(cal.read_text())
-    # DDP on one process under torchrun (its strategy's own entry); the pipeline needs 2 ranks: none
+    # DDP on one process under torchrun (its strategy's own entry) at both world sizes' micro-batch; the
+    # pipeline needs 2 ranks: none
     assert set(data["compute"]) == {key("resnet18", 32, 16, "fp32", "sgd", 1, 1),
+                                    key("resnet18", 32, 16, "fp32@ddp", "sgd", 1, 1),
                                     key("resnet18", 32, 8, "fp32", "sgd", 2, 1),
                                     key("resnet18", 32, 8, "fp32@ddp", "sgd", 2, 1)}
     assert {"all_reduce", "all_gather", "reduce_scatter", "broadcast"} <= set(data["links"]["2"])

@@ -166,6 +166,11 @@ def _piece_times(spec: dict, threads: int) -> list[tuple[float, float]] | None:
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    cuda = device.type == "cuda"
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    flags = (cudnn.benchmark, matmul.allow_tf32, cudnn.allow_tf32)
+    if cuda:  # the runs' settings (common/precision.py configure_backends, TF32 off by default)
+        cudnn.benchmark, matmul.allow_tf32, cudnn.allow_tf32 = True, False, False
     fwd, bwd = [[] for _ in pieces], [[] for _ in pieces]
     try:
         for _ in range(3 + spec["steps"]):
@@ -188,8 +193,14 @@ def _piece_times(spec: dict, threads: int) -> list[tuple[float, float]] | None:
                 grad = leaf.grad
     finally:
         torch.set_num_threads(before)
-    return [(round(statistics.median(f[3:]) * 1e3, 4), round(statistics.median(b[3:]) * 1e3, 4))
-            for f, b in zip(fwd, bwd)]
+        if cuda:
+            cudnn.benchmark, matmul.allow_tf32, cudnn.allow_tf32 = flags
+    out = [(round(statistics.median(f[3:]) * 1e3, 4), round(statistics.median(b[3:]) * 1e3, 4))
+           for f, b in zip(fwd, bwd)]
+    if cuda:  # the GPU is the next calibration runs' and collectives'
+        del model, pieces, x0, x, kept, grad, leaf, y
+        torch.cuda.empty_cache()
+    return out
 
 
 def _links(world: int, device: str, threads: int, max_bytes: str = "16M") -> dict:
@@ -251,7 +262,10 @@ def calibrate(opts) -> int:
         raise UsageError(f"--world-sizes {opts.world_sizes!r}: comma-separated integers") from None
     if min(worlds) < 1:
         raise UsageError("--world-sizes: every size must be >= 1")
+    if opts.steps < 1:
+        raise UsageError(f"--steps {opts.steps}: at least 1 timed step")
     data = load(opts.out) or {}
+    timed = set()
     fp = fingerprint(device)
     if data.get("device_name") != fp["device_name"]:
         data = {**fp, "compute": {}, "links": {}}
@@ -272,12 +286,15 @@ def calibrate(opts) -> int:
             for mode in modes:
                 spec = {"model": model, "image_size": image, "batch": max(1, batch // opts.microbatches),
                         "mode": mode, "device": device.type, "steps": opts.steps}
+                k = key(model, image, spec["batch"], mode, "-", 1, threads)
+                if k in timed:  # a GPU's threads are 1 at every world size: the same key
+                    continue
+                timed.add(k)
                 got = _piece_times(spec, threads)
                 if got:
-                    k = key(model, image, spec["batch"], mode, "-", 1, threads)
                     data.setdefault("pieces", {})[k] = got
                     print(f"pieces {k}: " + ", ".join(f"{f:.2f}+{b:.2f} ms" for f, b in got), flush=True)
-        if n > 1 and not opts.no_strategies:
+        if not opts.no_strategies:  # at 1 too: a --world-sizes 1,2 run's first point is the script alone
             for mode in [m for m in modes if m == "fp32"]:
                 spec = {"model": model, "image_size": image, "batch": max(1, batch // n), "mode": mode,
                         "optimizer": optimizer, "device": device.type, "steps": opts.steps}

@@ -31,7 +31,7 @@ order; a collective starts when its inputs are ready and the link is free:
                          The slowest stage is the one with the largest share of the measured time of
                          the model's four pieces (calibrate times them) where the calibration has
                          them, else of the FLOPs: on a CPU at 32 px resnet18's layer4 holds 23% of
-                         the FLOPs and ~57% of the time (its weights, not its arithmetic, set its pace)
+                         the FLOPs and ~60% of the time (its weights, not its arithmetic, set its pace)
 Collective time: latency + S x bus factor / bus bandwidth (nccl-tests doc/PERFORMANCE.md, the same
 S and factors as the communication columns).
 
