@@ -7,8 +7,8 @@
     torchrun --nproc_per_node 2 accelerate_FSDP.py            # GPUs, plugin built from the defaults below
 
 Shows the articles' accelerate FSDP run against pytorch_FSDP.py's hand-written fully_shard. The
-units are the model's ResNet blocks, their class read from the model (Bottleneck for resnet50,
-BasicBlock for resnet18; naming one the model lacks makes accelerate raise). Started without
+units are the model's blocks, their class read from the model (Bottleneck for resnet50, BasicBlock
+for resnet18, EncoderBlock for vit_b_16; naming one the model lacks makes accelerate raise). Started without
 `accelerate launch`, the script builds the plugin from the same defaults as the YAML: FSDP2, full
 shard, full state dict. accelerate's FSDP needs CUDA devices: on CPU accelerate silently drops the
 plugin (DistributedType.NO, every rank training alone), so the script refuses in one line

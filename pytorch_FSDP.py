@@ -6,9 +6,10 @@
         pytorch_FSDP.py --sharding hybrid                                   # shard in a node, replicate across
     torchrun --nproc_per_node 2 pytorch_FSDP.py --device cpu --dataset synthetic --no-pretrained   # gloo
 
-Shows what sharding saves per GPU and what it costs in communication: every ResNet block is its own
-FSDP unit (all-gathered just before use, freed after), the root holds the stem and the head.
-ResNet50's 25.6 M parameters are small: expect memory close to DDP's, since activations dominate.
+Shows what sharding saves per GPU and what it costs in communication: every block of the model
+(ResNet's Bottleneck, ViT's EncoderBlock: common/models.py blocks) is its own FSDP unit (all-gathered
+just before use, freed after), the root holds the stem and the head. ResNet50's 25.6 M parameters are
+small: expect memory close to DDP's, since activations dominate; try --model vit_l_16 for the opposite.
 Final weights are gathered to rank 0 into the same plain model_final.pt every script writes.
 """
 from contextlib import contextmanager, nullcontext
@@ -40,7 +41,7 @@ from common import (
     save_final,
     steps_per_epoch,
 )
-from common.models import stages
+from common.models import blocks
 
 
 @dataclass
@@ -93,9 +94,8 @@ def main(cfg):
         offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else None,
     )
     fsdp_kwargs = {k: v for k, v in fsdp_kwargs.items() if v is not None}
-    for stage in stages(model):
-        for block in stage:
-            fully_shard(block, **fsdp_kwargs)
+    for _, block in blocks(model):  # the repeated block (BasicBlock, EncoderBlock, CNBlock, ...): one unit each
+        fully_shard(block, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
     optimizer = build_optimizer(cfg, model.parameters())
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))

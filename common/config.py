@@ -75,8 +75,9 @@ class TrainConfig(EvalConfig):
     pretrained: bool = opt(True, "start from ImageNet weights (head replaced for 10 classes)")
     freeze_bn: bool = opt(False, "BatchNorm in eval mode while training (running statistics frozen): "
                           "the loss no longer depends on how the batch is split over ranks")
-    grad_checkpointing: bool = opt(False, "recompute each ResNet stage in backward: less activation memory, "
-                                   "about one more forward of compute")
+    grad_checkpointing: bool = opt(False, "recompute each of the model's repeated blocks in backward (ResNet's "
+                                   "BasicBlock/Bottleneck, ViT's EncoderBlock, ConvNeXt's CNBlock, ...): less "
+                                   "activation memory, about one more forward of compute")
     # --- optimization ---
     epochs: int = opt(5, "passes over the training set", min=1)
     batch_size: int = opt(128, "GLOBAL batch per optimizer step, images (split over ranks and --grad-accum)", min=1)

@@ -2,6 +2,9 @@
 BatchNorm that computes in its statistics' precision when a strategy casts only its parameters."""
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -30,15 +33,25 @@ def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
     return model
 
 
-class CheckpointedSequential(nn.Sequential):
-    """A ResNet stage that keeps no activations; backward recomputes them. Swapped in by class, so
-    state_dict keys, DataParallel replicas and FSDP wrapping see the same module. Caveat: BatchNorm
-    running statistics are updated again during the recomputation."""
+_CHECKPOINTED: dict[type, type] = {}
 
-    def forward(self, x):
-        if self.training and torch.is_grad_enabled():
-            return checkpoint(super().forward, x, use_reentrant=False)
-        return super().forward(x)
+
+def checkpointed(cls: type) -> type:
+    """cls whose forward keeps no activations but its inputs; backward recomputes them
+    (torch.utils.checkpoint, non-reentrant). A subclass of the same name, swapped in by class, so
+    state_dict keys, DataParallel replicas and FSDP's and accelerate's wrapping by class name see the same
+    module. Caveat: BatchNorm running statistics are updated again during the recomputation."""
+    if cls not in _CHECKPOINTED:
+        def forward(self, *args, **kwargs):
+            inner = super(sub, self).forward
+            if self.training and torch.is_grad_enabled():
+                return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+            return inner(*args, **kwargs)
+
+        sub = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__, "checkpointed": True})
+        _CHECKPOINTED[cls] = sub
+    return _CHECKPOINTED[cls]
 
 
 class MixedPrecisionBatchNorm2d(nn.BatchNorm2d):
@@ -75,15 +88,54 @@ def mixed_precision_batchnorm(model: nn.Module) -> nn.Module:
     return model
 
 
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's repeated blocks, (qualified name, module) in registration order (torchvision registers
+    in forward order): the units FSDP wraps, in one place for the scripts, the memory model (the gathered
+    unit) and the expected communication. Found from the model, not named per family.
+
+    A block class is a class with two or more instances that is neither a container (Sequential,
+    ModuleList, ModuleDict and their subclasses: ResNet's layer1, ViT's MLPBlock) nor a leaf (it has
+    children) and holds parameters, unless most of its parameters sit inside instances of another such
+    class (ViT's MultiheadAttention inside EncoderBlock, EfficientNet's Conv2dNormActivation inside
+    MBConv). resnet18: 8 BasicBlocks; resnet50: 16 Bottlenecks; vit_b_16: 12 EncoderBlocks; swin_t: 12
+    SwinTransformerBlocks and 3 PatchMergings; convnext_tiny: 18 CNBlocks; efficientnet_v2_s: its
+    FusedMBConvs and MBConvs. A model without one (vgg, alexnet) gets []: FSDP shards it as one unit."""
+    named = [(n, m) for n, m in model.named_modules()
+             if n and not isinstance(m, CONTAINERS) and next(m.children(), None) is not None and _numel(m)]
+    by_class: dict[type, list] = {}
+    for n, m in named:
+        by_class.setdefault(type(m), []).append((n, m))
+    repeated = {c: v for c, v in by_class.items() if len(v) >= 2}
+    prefixes = {c: tuple(n + "." for n, _ in v) for c, v in repeated.items()}
+    kept = set()
+    for c, members in repeated.items():
+        others = tuple(p for c2, ps in prefixes.items() if c2 is not c for p in ps)
+        inside = sum(_numel(m) for n, m in members if n.startswith(others)) if others else 0
+        if 2 * inside <= sum(_numel(m) for _, m in members):
+            kept.add(c)
+    out: list[tuple[str, nn.Module]] = []
+    for n, m in named:  # outermost instances only, in registration order
+        if type(m) in kept and not any(n.startswith(o + ".") for o, _ in out):
+            out.append((n, m))
+    return out
+
+
 def block_classes(model: nn.Module) -> list[str]:
-    """Class names of the ResNet blocks (Bottleneck for resnet50, BasicBlock for resnet18): the
-    units FSDP wraps. Read from the model, never assumed: naming a class the model does not have
-    makes accelerate raise "Could not find the transformer layer class"."""
-    names = []
-    for stage in stages(model):
-        for block in stage:
-            if type(block).__name__ not in names:
-                names.append(type(block).__name__)
+    """Class names of the model's blocks (Bottleneck for resnet50, BasicBlock for resnet18, EncoderBlock
+    for vit_b_16), for accelerate's transformer_cls_names_to_wrap. Read from the model, never assumed:
+    naming a class the model does not have makes accelerate raise "Could not find the transformer layer
+    class"."""
+    names: list[str] = []
+    for _, block in blocks(model):
+        if type(block).__name__ not in names:
+            names.append(type(block).__name__)
     return names
 
 
@@ -94,23 +146,88 @@ def stages(model: nn.Module) -> list[nn.Module]:
 
 
 def enable_grad_checkpointing(model: nn.Module) -> None:
-    found = stages(model)
-    if not found or not all(type(s) is nn.Sequential for s in found):
-        raise UsageError("--grad-checkpointing supports ResNet-family models (layer1..layer4)")
-    for stage in found:
-        stage.__class__ = CheckpointedSequential
+    """Every block of blocks() recomputed in backward: the unit FSDP wraps is the unit recomputed."""
+    found = blocks(model)
+    if not found:
+        raise UsageError(f"--grad-checkpointing recomputes the model's repeated blocks, and "
+                         f"{type(model).__name__} has none (VGG and AlexNet are plain layer stacks)")
+    for _, block in found:
+        if not getattr(block, "checkpointed", False):
+            block.__class__ = checkpointed(type(block))
+
+
+@functools.lru_cache(maxsize=32)
+def size_kwargs(name: str, image_size: int | None) -> tuple:
+    """The constructor argument of a family built for one input size, as (key, value) pairs: ViT's
+    image_size (its position embedding has one entry per patch), MaxViT's input_size; () for the rest,
+    which pool to any size. Read from the class's signature, built once on the meta device."""
+    if image_size is None:
+        return ()
+    with torch.device("meta"):
+        params = inspect.signature(type(torchvision.models.get_model(name)).__init__).parameters
+    if "image_size" in params:
+        return (("image_size", image_size),)
+    if "input_size" in params:
+        return (("input_size", (image_size, image_size)),)
+    return ()
+
+
+@functools.lru_cache(maxsize=32)
+def check_image_size(name: str, image_size: int) -> None:
+    """One line for a size the family cannot take (ViT: not a multiple of its patch; AlexNet below 64 px;
+    inception_v3 below 299), found by an evaluation forward of one image on the meta device."""
+    try:
+        with torch.device("meta"):
+            net = torchvision.models.get_model(name, **dict(size_kwargs(name, image_size))).eval()
+            with torch.no_grad():
+                net(torch.empty(1, 3, image_size, image_size))
+    except Exception as exc:
+        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise UsageError(f"--image-size {image_size}: {name} cannot take it ({text})") from None
+
+
+def _pretrained(name: str, weights, image_size: int | None) -> nn.Module:
+    """The ImageNet weights in a model built for the run's size. torchvision pins a ViT to its weights' size
+    (_ovewrite_named_param); its position embedding is interpolated to the run's patch grid by torchvision's
+    own vision_transformer.interpolate_embeddings, as its fine-tuning recipes do."""
+    model = torchvision.models.get_model(name, weights=weights)
+    sized = dict(size_kwargs(name, image_size))
+    native = weights.meta.get("min_size", (None,))[0]
+    if not sized or image_size == native:
+        return model
+    state = model.state_dict()
+    target = torchvision.models.get_model(name, **sized)
+    if "encoder.pos_embedding" in state and hasattr(target, "patch_size"):
+        from torchvision.models.vision_transformer import interpolate_embeddings
+
+        state = interpolate_embeddings(image_size, target.patch_size, state)
+    try:
+        target.load_state_dict(state)
+    except RuntimeError:
+        raise UsageError(f"the ImageNet weights of {name} are for {native} px: use --image-size {native} or "
+                         f"--no-pretrained") from None
+    return target
 
 
 def build_model(cfg, num_classes: int = NUM_CLASSES, pretrained: bool | None = None) -> nn.Module:
-    """cfg.model with a num_classes head. pretrained defaults to cfg.pretrained (False for configs
-    without it: model_inference.py loads its weights from a checkpoint, never from the internet)."""
+    """cfg.model with a num_classes head, built for cfg.image_size where the family fixes its input size.
+    pretrained defaults to cfg.pretrained (False for configs without it: model_inference.py loads its
+    weights from a checkpoint, never from the internet)."""
     pretrained = getattr(cfg, "pretrained", False) if pretrained is None else pretrained
     check_model_name(cfg.model)
+    image_size = getattr(cfg, "image_size", None)
+    if image_size is not None:
+        check_image_size(cfg.model, image_size)
     weights = None
     if pretrained:
         weights = torchvision.models.get_model_weights(cfg.model).DEFAULT
     try:
-        model = torchvision.models.get_model(cfg.model, weights=weights)
+        if weights is None:
+            model = torchvision.models.get_model(cfg.model, **dict(size_kwargs(cfg.model, image_size)))
+        else:
+            model = _pretrained(cfg.model, weights, image_size)
+    except UsageError:
+        raise
     except Exception as exc:  # offline and not cached: urllib errors, hash mismatch, truncated file
         cache = torch.hub.get_dir() + "/checkpoints"
         raise UsageError(f"could not load ImageNet weights for {cfg.model} ({type(exc).__name__}); "

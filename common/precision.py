@@ -45,7 +45,7 @@ def strided_past_input(model_name: str, image_size: int) -> list[str]:
     Found by a meta-device forward: no memory, no compute."""
     from .measure.memory import meta_model
 
-    model, found = meta_model(model_name), []
+    model, found = meta_model(model_name, image_size=image_size), []
 
     def hook(name):
         def pre(conv, args):

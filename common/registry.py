@@ -84,7 +84,7 @@ SCRIPTS = [
     Script("pytorch_DDP_ZeRO.py", "ddp_zero", "torchrun", ALL_PRECISIONS,
            "DDP + `ZeroRedundancyOptimizer` (optimizer state sharded)", label="amp_"),
     Script("pytorch_FSDP.py", "fsdp", "torchrun", ALL_PRECISIONS,
-           "FSDP2 `fully_shard` per ResNet block (`--sharding`, `--cpu-offload`)", label="mp_"),
+           "FSDP2 `fully_shard` per block (ResNet's, ViT's EncoderBlock; `--sharding`, `--cpu-offload`)", label="mp_"),
     Script("pytorch_DeepSpeed.py", "deepspeed", "deepspeed", ALL_PRECISIONS,
            "DeepSpeed ZeRO 1/2/3 from the JSON (`--deepspeed_config`, `--offload`)",
            deepspeed_config="config/zero_stage2_config.json", label="ds_"),

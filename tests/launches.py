@@ -100,6 +100,11 @@ CASES.update({
     # accelerate's own FSDP2 path forced on over gloo (accelerate_FSDP.py itself refuses CPU)
     "accelerate_FSDP-twin-fp32": Launch("accelerate_FSDP.py", "fp32", (("clip_grad_norm", 1.0),), 2, "torchrun",
                                         twin=("tests/twins/accelerate_fsdp_on_cpu.py",)),
+    # a vision transformer, one FSDP unit per EncoderBlock (test_blocks): vit_b_16 at 32 px is 4 patches;
+    # 86M parameters, so no epoch checkpoint (0.7 GB with the momentum) and 2 steps (warm-up, one timed)
+    "pytorch_FSDP-vit_b_16": Launch("pytorch_FSDP.py", "fp32", (
+        ("epoch_checkpoints", False), ("image_size", 32), ("loader_probe_batches", 0), ("model", "vit_b_16"),
+        ("train_samples", 32)), 2, "torchrun"),
     "accelerate_FSDP-twin-bf16": Launch("accelerate_FSDP.py", "bf16", (("clip_grad_norm", 1.0),), 2, "torchrun",
                                         twin=("tests/twins/accelerate_fsdp_on_cpu.py",)),
 })

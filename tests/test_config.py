@@ -101,7 +101,8 @@ BAD_FLAGS = [
     (["--optimizer", "lamb"], "invalid choice"),
     (["--model", "resnet5000"], "unknown model 'resnet5000'"),
     (["--batch-size", "10", "--train-samples", "8"], "fewer than one global batch"),
-    (["--grad-checkpointing", "--model", "mobilenet_v3_small"], "supports ResNet-family"),
+    (["--grad-checkpointing", "--model", "vgg11"], "has none (VGG and AlexNet"),
+    (["--model", "vit_b_16", "--image-size", "40"], "--image-size 40: vit_b_16 cannot take it"),
 ]
 
 

@@ -14,19 +14,28 @@ def test_head_has_ten_classes(name):
     assert last.out_features == 10
 
 
-def test_grad_checkpointing_same_result_same_keys():
+@pytest.mark.parametrize("name", ["resnet18", "vit_b_16", "convnext_tiny"])
+def test_grad_checkpointing_same_result_same_keys(name):
+    """Each block recomputed in backward (common/models.py checkpointed): the same gradients, the same
+    state_dict keys, the weights loading into the bare torchvision model. convnext's stochastic depth draws
+    again in the recomputation: checkpoint restores the RNG state (preserve_rng_state)."""
+    from common.models import blocks
+
     torch.manual_seed(0)
-    plain = build_model(TrainConfig(model="resnet18", pretrained=False))
-    ckpt = build_model(TrainConfig(model="resnet18", pretrained=False, grad_checkpointing=True))
+    plain = build_model(TrainConfig(model=name, pretrained=False, image_size=32))
+    ckpt = build_model(TrainConfig(model=name, pretrained=False, image_size=32, grad_checkpointing=True))
     ckpt.load_state_dict(plain.state_dict())
     assert list(plain.state_dict()) == list(ckpt.state_dict())
+    assert all(b.checkpointed for _, b in blocks(ckpt)) and not hasattr(plain, "checkpointed")
     x = torch.randn(4, 3, 32, 32)
     for m in (plain, ckpt):
         m.train()
+        torch.manual_seed(1)
         m(x).square().mean().backward()
     for (n, a), b in zip(plain.named_parameters(), ckpt.parameters()):
         assert torch.allclose(a.grad, b.grad, atol=1e-5), n
-    assert torchvision.models.resnet18(num_classes=10).load_state_dict(ckpt.state_dict())
+    bare = torchvision.models.get_model(name, num_classes=10, **({"image_size": 32} if name.startswith("vit") else {}))
+    assert bare.load_state_dict(ckpt.state_dict())
 
 
 def test_pretrained_offline_names_the_way_out(monkeypatch):

@@ -64,9 +64,12 @@ def check_time(row):
         assert "pred_step_ms: " in row["notes"], row["notes"]
 
 
-def load_bare(final, model="resnet18"):
+def load_bare(final, model="resnet18", image_size=None):
+    from common.models import size_kwargs
+
     sd = torch.load(final, map_location="cpu", weights_only=True)
-    getattr(torchvision.models, model)(num_classes=10).load_state_dict(sd)  # strict: no prefixes, nothing missing
+    bare = getattr(torchvision.models, model)(num_classes=10, **dict(size_kwargs(model, image_size)))
+    bare.load_state_dict(sd)  # strict: no prefixes, nothing missing
     assert all(v.dtype == torch.float32 for v in sd.values() if v.is_floating_point())
     return sd
 

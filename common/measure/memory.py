@@ -113,22 +113,25 @@ class Prediction:
 
 # --- the model, without allocating it ------------------------------------------------------------
 
-def meta_model(name: str, grad_checkpointing: bool = False) -> nn.Module:
-    """The project's model (10-class head, its BatchNorm, optional checkpointed stages) on the meta device."""
+def meta_model(name: str, grad_checkpointing: bool = False, image_size: int | None = None) -> nn.Module:
+    """The project's model (10-class head, its BatchNorm, optional checkpointed blocks) on the meta device,
+    built for image_size where the family fixes its input size (ViT)."""
     from ..models import build_model
 
     class Cfg:  # the fields build_model reads
         model, pretrained, channels_last = name, False, False
 
     Cfg.grad_checkpointing = grad_checkpointing
+    Cfg.image_size = image_size
     with torch.device("meta"):
         return build_model(Cfg)
 
 
 @functools.lru_cache(maxsize=8)
-def model_facts(name: str) -> tuple[list[torch.Size], list[list[torch.Size]], int]:
-    """(parameter shapes, FSDP units' parameter shapes, elements of conv/linear weights) of a model."""
-    model = meta_model(name)
+def model_facts(name: str, image_size: int | None = None) -> tuple[list[torch.Size], list[list[torch.Size]], int]:
+    """(parameter shapes, FSDP units' parameter shapes, elements of conv/linear weights) of a model built for
+    image_size (a ViT's position embedding has one entry per patch)."""
+    model = meta_model(name, image_size=image_size)
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
     return [p.shape for p in model.parameters()], fsdp_units(model), matmul
 
@@ -141,14 +144,15 @@ def norm_numel(name: str) -> int:
 
 
 def fsdp_units(model: nn.Module) -> list[list[torch.Size]]:
-    """The FSDP units pytorch_FSDP.py and accelerate_FSDP.py make: every ResNet block, then the root
-    with what is left (stem, head). Other model families: the whole model is one unit."""
-    from ..models import stages
+    """The FSDP units pytorch_FSDP.py and accelerate_FSDP.py make: every block of models.blocks (ResNet's
+    BasicBlock, ViT's EncoderBlock, ...), then the root with what is left (stem, head). A model without
+    repeated blocks is one unit."""
+    from ..models import blocks
 
-    blocks = [b for s in stages(model) for b in s]
-    inner = {id(p) for b in blocks for p in b.parameters()}
+    found = [b for _, b in blocks(model)]
+    inner = {id(p) for b in found for p in b.parameters()}
     root = [p.shape for p in model.parameters() if id(p) not in inner]
-    return [[p.shape for p in b.parameters()] for b in blocks] + [root]
+    return [[p.shape for p in b.parameters()] for b in found] + [root]
 
 
 def _numel(shape) -> int:
@@ -161,13 +165,14 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 @contextmanager
-def _stage_tracker(model: nn.Module, current: list):
-    from ..models import stages
+def _block_tracker(model: nn.Module, current: list):
+    """current[0]: the index in models.blocks of the block whose forward is running, None outside them."""
+    from ..models import blocks
 
     handles = []
-    for i, s in enumerate(stages(model)):
-        handles.append(s.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
-        handles.append(s.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
+    for i, (_, b) in enumerate(blocks(model)):
+        handles.append(b.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
+        handles.append(b.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
     try:
         yield
     finally:
@@ -177,12 +182,16 @@ def _stage_tracker(model: nn.Module, current: list):
 
 @functools.lru_cache(maxsize=64)  # advise asks for the same forward under several strategies
 def saved_activation_bytes(model_name: str, image_size: int, batch: int, dtype: torch.dtype = torch.float32,
-                           channels_last: bool = False) -> tuple[int, dict]:
+                           channels_last: bool = False, grad_checkpointing: bool = False) -> tuple[int, dict]:
     """Bytes autograd saves in one training forward of `batch` images (parameters and buffers left
-    out: they are model state), and the share saved inside each ResNet stage. A meta-device forward
-    under saved_tensors_hooks (torch/autograd/graph.py): the same autograd formulas as on a device,
-    no data. Each storage counts once (in-place ReLU saves the storage BatchNorm wrote)."""
-    model = meta_model(model_name).to(dtype=dtype)
+    out: they are model state), and the bytes first saved inside each block of models.blocks (key: its
+    index; None: outside every block). A meta-device forward under saved_tensors_hooks
+    (torch/autograd/graph.py): the same autograd formulas as on a device, no data. Each storage counts
+    once (in-place ReLU saves the storage BatchNorm wrote). With grad_checkpointing the blocks are the
+    checkpointed ones and the walk sees what non-reentrant checkpoint keeps: nothing saved inside a block
+    (its own saved_tensors_hooks hold no tensor), and each block's inputs, which it saves through
+    _NoopSaveInputs (torch/utils/checkpoint.py) under this walk's hooks."""
+    model = meta_model(model_name, grad_checkpointing, image_size).to(dtype=dtype)
     for m in model.modules():  # BatchNorm statistics stay fp32, as MixedPrecisionBatchNorm2d keeps them
         if isinstance(m, nn.BatchNorm2d):
             m.float()
@@ -204,7 +213,7 @@ def saved_activation_bytes(model_name: str, image_size: int, batch: int, dtype: 
     x = torch.empty(batch, 3, image_size, image_size, device="meta", dtype=dtype)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    with _stage_tracker(model, current), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with _block_tracker(model, current), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logits = model(x)
         torch.nn.functional.cross_entropy(logits.float(), torch.zeros(batch, dtype=torch.long, device="meta"))
     return sum(seen.values()), per_stage
@@ -220,7 +229,7 @@ def backward_curve(model_name: str, image_size: int, batch: int, dtype: torch.dt
     (register_post_accumulate_grad_hook). ResNet's layer4 and fc hold most of the parameters and
     their gradients appear first, while layer1-3's activations are still alive: at small batches
     that sum, not max(activations, gradients), is the peak."""
-    model = meta_model(model_name).to(dtype=dtype)
+    model = meta_model(model_name, image_size=image_size).to(dtype=dtype)
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.float()
@@ -293,19 +302,18 @@ def activation_bytes(s: Setup) -> float:
     parameters, autocast casts each conv/linear input and weight (its autocast fp16 list), and the
     project's BatchNorm keeps half activations beside fp32 statistics. autocast additionally saves the
     half copy of each conv/linear weight it made (torch/csrc/autograd autocast cache): counted here.
-    --grad-checkpointing (common/models.py CheckpointedSequential, torch.utils.checkpoint non-reentrant)
-    keeps only each stage's input; backward recomputes one stage at a time, so the largest stage's
-    own activations come back once."""
+    --grad-checkpointing (common/models.py checkpointed, torch.utils.checkpoint non-reentrant) keeps what
+    is saved outside the blocks and each block's inputs (the walk of the checkpointed model); backward
+    recomputes one block at a time, so the largest block's own activations come back once."""
     half = s.precision != "fp32"
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(s.precision, torch.float32)
-    total, per_stage = saved_activation_bytes(s.model, s.image_size, s.micro_batch, dtype, s.channels_last)
-    if s.grad_checkpointing and len(per_stage) > 1:
-        inside = {k: v for k, v in per_stage.items() if k is not None}
-        # the stage inputs checkpoint holds are the previous stage's outputs, which the next
-        # stage saved anyway; what remains is the outside part plus one stage recomputed
-        total = per_stage.get(None, 0) + max(inside.values())
+    total, per_block = saved_activation_bytes(s.model, s.image_size, s.micro_batch, dtype, s.channels_last)
+    inside = [v for k, v in per_block.items() if k is not None]
+    if s.grad_checkpointing and inside:
+        kept, _ = saved_activation_bytes(s.model, s.image_size, s.micro_batch, dtype, s.channels_last, True)
+        total = kept + max(inside)
     if half and s.strategy in ("amp", "ddp", "ddp_zero", "dp", "accelerate_ddp"):
-        total += 2 * model_facts(s.model)[2]
+        total += 2 * model_facts(s.model, s.image_size)[2]
     return float(total)
 
 
@@ -363,7 +371,7 @@ def predict(s: Setup) -> Prediction:
         from ..config import UsageError
 
         raise UsageError(f"unknown strategy {s.strategy!r}; one of {', '.join(STRATEGIES)}")
-    shapes, units, _ = model_facts(s.model)
+    shapes, units, _ = model_facts(s.model, s.image_size)
     n, tensors = sum(_numel(sh) for sh in shapes), len(shapes)
     half = ITEMSIZE[s.precision]
     w = s.world_size
@@ -403,7 +411,7 @@ def predict(s: Setup) -> Prediction:
 
 
 def _fsdp(s: Setup, p: Prediction, units, tensors, slots, half) -> Prediction:
-    """FSDP2 fully_shard per ResNet block + root (pytorch_FSDP.py; accelerate_FSDP.py with
+    """FSDP2 fully_shard per block of models.blocks + root (pytorch_FSDP.py; accelerate_FSDP.py with
     config/default_FSDP.yml: full shard, no offload). Sharded parameters stay fp32 (they are the master
     weights: MixedPrecisionPolicy casts only the all-gathered copy to param_dtype), gradients are
     reduce-scattered in fp32 (reduce_dtype), the optimizer steps on the local shards."""

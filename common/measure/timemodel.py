@@ -111,14 +111,14 @@ class Unit:
 
 @functools.lru_cache(maxsize=16)
 def units(model_name: str, image_size: int) -> tuple[Unit, ...]:
-    """Forward-order units: stem, every ResNet block, head; other families one unit."""
+    """Forward-order units: stem, every block of models.blocks (the FSDP units), head; a model without
+    repeated blocks is one unit."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ..models import stages
+    from ..models import blocks as model_blocks
 
-    model = meta_model(model_name)
-    blocks = [(f"{n}.{i}", b) for n, s in zip(("layer1", "layer2", "layer3", "layer4"), stages(model))
-              for i, b in enumerate(s)]
+    model = meta_model(model_name, image_size=image_size)
+    blocks = model_blocks(model)
     with torch.device("meta"), FlopCounterMode(display=False) as counter:
         model(torch.empty(2, 3, image_size, image_size))
     counts = {k.split(".", 1)[1] if "." in k else "": sum(v.values()) for k, v in counter.get_flop_counts().items()}
@@ -336,7 +336,7 @@ def _stage_split(us, counts: list[int], setup: Setup) -> tuple[list[float], list
 
 def _activation_bytes(setup: Setup, layer: str) -> float:
     """Bytes per image of the activation leaving `layer` (a cut), in the dtype it travels in."""
-    model = meta_model(setup.model)
+    model = meta_model(setup.model, image_size=setup.image_size)
     out = {}
     handle = model.get_submodule(layer).register_forward_hook(lambda _m, _i, o: out.setdefault("o", o))
     with torch.device("meta"):

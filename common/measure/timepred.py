@@ -68,7 +68,7 @@ class TimePrediction(Instrument):
             from ..pipeline import plan
             from .memory import meta_model
 
-            stages = plan(meta_model(s.model), s.world_size, cfg.split)
+            stages = plan(meta_model(s.model, image_size=s.image_size), s.world_size, cfg.split)
             pieces = find_pieces(data, device_name(self.device), s.model, s.image_size, micro, mode, rest[2])
         return predict_step(s, compute, link, overlap=cuda, strategy=self.strategy,
                             microbatches=getattr(cfg, "microbatches", 1), stages=stages, pieces=pieces), None
