@@ -8,6 +8,7 @@ Activations: the saved-tensor prediction on the meta device against the storages
 leaves alive (a TorchDispatchMode that records every op's output storage), an independent count.
 """
 import contextlib
+import os
 import subprocess
 import sys
 
@@ -243,3 +244,26 @@ def test_accumulated_gradients_are_there_from_the_second_micro_batch_on():
     two = predict(Setup(model="resnet18", image_size=64, batch_size=16, strategy="ddp", world_size=2, grad_accum=2))
     assert two.activations == one.activations  # the same micro-batch
     assert two.backward_peak >= two.activations + two.grads > one.backward_peak
+
+
+@pytest.mark.slow  # 24 predictions of models up to vit_h_14 at 224 px: ~9 s of meta-device walks
+def test_the_readme_sharding_table_is_the_memory_model():
+    """README "When does sharding pay?": every DDP / FSDP cell is predict()'s peak at its setup, and the one
+    cell where sharding wins names what advise recommends there."""
+    import re
+
+    from common.bench.advise import recommend
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    table = text[text.index("## When does sharding pay?"):text.index("## How to read a row")]
+    for model in ("resnet50", "vit_b_16", "vit_l_16", "vit_h_14"):
+        cells = re.search(rf"^\| {model} \(.*$", table, re.M).group(0).split("|")[2:5]
+        for batch, cell in zip((128, 512, 1024), cells):
+            base = dict(model=model, image_size=224, batch_size=batch, world_size=8, precision="bf16",
+                        optimizer="adamw")
+            ddp, fsdp = (predict(Setup(**base, strategy=s)).peak / GIB for s in ("ddp", "fsdp_full-shard"))
+            assert cell.strip().startswith(f"{ddp:.1f} / {fsdp:.1f}:"), (model, batch, cell, ddp, fsdp)
+    base = dict(model="vit_h_14", image_size=224, batch_size=1024, world_size=8, precision="bf16", optimizer="adamw")
+    preds = {s: predict(Setup(**base, strategy=s)) for s in STRATEGIES if not s.startswith("accelerate_")}
+    opts = type("Opts", (), {"gpu_memory_gib": 80.0, "gpus": 8, "grad_checkpointing": False, "precision": "bf16"})
+    assert recommend(preds, opts).startswith("ddp_zero:") and "DDP+ZeRO" in table
