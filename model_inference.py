@@ -77,7 +77,8 @@ def load_checkpoint(path: str, cfg) -> tuple[torch.nn.Module, str]:
     for k, v in expected.items():
         if sd[k].shape != v.shape:
             raise UsageError(f"{path}: {k} has shape {tuple(sd[k].shape)}, --model {cfg.model} with 10 classes "
-                             f"expects {tuple(v.shape)} (another class count or model width)")
+                             f"expects {tuple(v.shape)} (another class count or model width; a ViT trained at another "
+                             f"--image-size)")
     model.load_state_dict(sd)
     script = os.path.basename(os.path.dirname(os.path.abspath(path))) + ".py"
     n = sum(v.numel() for v in sd.values())

@@ -48,9 +48,11 @@ def checkpointed(cls: type) -> type:
                 return checkpoint(inner, *args, use_reentrant=False, **kwargs)
             return inner(*args, **kwargs)
 
-        sub = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                          "__qualname__": cls.__qualname__, "checkpointed": True})
-        _CHECKPOINTED[cls] = sub
+        # the same __name__ (accelerate wraps by class name); pickle finds it here by module and qualname
+        qualname = f"Checkpointed_{cls.__module__.replace('.', '_')}_{cls.__qualname__.replace('.', '_')}"
+        sub = type(cls.__name__, (cls,), {"forward": forward, "__module__": __name__, "__qualname__": qualname,
+                                          "checkpointed": True})
+        globals()[qualname] = _CHECKPOINTED[cls] = sub
     return _CHECKPOINTED[cls]
 
 
@@ -103,10 +105,11 @@ def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     A block class is a class with two or more instances that is neither a container (Sequential,
     ModuleList, ModuleDict and their subclasses: ResNet's layer1, ViT's MLPBlock) nor a leaf (it has
     children) and holds parameters, unless most of its parameters sit inside instances of another such
-    class (ViT's MultiheadAttention inside EncoderBlock, EfficientNet's Conv2dNormActivation inside
-    MBConv). resnet18: 8 BasicBlocks; resnet50: 16 Bottlenecks; vit_b_16: 12 EncoderBlocks; swin_t: 12
+    class (ViT's MultiheadAttention inside EncoderBlock, EfficientNet's SqueezeExcitation inside MBConv).
+    resnet18: 8 BasicBlocks; resnet50: 16 Bottlenecks; vit_b_16: 12 EncoderBlocks; swin_t: 12
     SwinTransformerBlocks and 3 PatchMergings; convnext_tiny: 18 CNBlocks; efficientnet_v2_s: its
-    FusedMBConvs and MBConvs. A model without one (vgg, alexnet) gets []: FSDP shards it as one unit."""
+    FusedMBConvs and MBConvs; googlenet: its Inceptions and its 2 auxiliary heads. A model without one
+    (vgg, alexnet) gets []: FSDP shards it as one unit."""
     named = [(n, m) for n, m in model.named_modules()
              if n and not isinstance(m, CONTAINERS) and next(m.children(), None) is not None and _numel(m)]
     by_class: dict[type, list] = {}
@@ -163,8 +166,11 @@ def size_kwargs(name: str, image_size: int | None) -> tuple:
     which pool to any size. Read from the class's signature, built once on the meta device."""
     if image_size is None:
         return ()
-    with torch.device("meta"):
-        params = inspect.signature(type(torchvision.models.get_model(name)).__init__).parameters
+    try:
+        with torch.device("meta"):
+            params = inspect.signature(type(torchvision.models.get_model(name)).__init__).parameters
+    except Exception:  # RegNet's constructor reads tensor values (.tolist()), which the meta device has not
+        return ()      # got; it pools to any size
     if "image_size" in params:
         return (("image_size", image_size),)
     if "input_size" in params:
@@ -174,13 +180,20 @@ def size_kwargs(name: str, image_size: int | None) -> tuple:
 
 @functools.lru_cache(maxsize=32)
 def check_image_size(name: str, image_size: int) -> None:
-    """One line for a size the family cannot take (ViT: not a multiple of its patch; AlexNet below 64 px;
-    inception_v3 below 299), found by an evaluation forward of one image on the meta device."""
+    """One line for a size the family cannot take (ViT: not a multiple of its patch; AlexNet and
+    inception_v3 at 32 px: a map shrinks below its kernel), found by an evaluation forward of one image on
+    the meta device. A model the meta device cannot build (RegNet) is left to the run itself."""
     try:
         with torch.device("meta"):
             net = torchvision.models.get_model(name, **dict(size_kwargs(name, image_size))).eval()
-            with torch.no_grad():
-                net(torch.empty(1, 3, image_size, image_size))
+    except Exception as exc:
+        if size_kwargs(name, image_size):  # a size the constructor itself refuses (ViT's patch grid)
+            text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+            raise UsageError(f"--image-size {image_size}: {name} cannot take it ({text})") from None
+        return
+    try:
+        with torch.device("meta"), torch.no_grad():
+            net(torch.empty(1, 3, image_size, image_size))
     except Exception as exc:
         text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
         raise UsageError(f"--image-size {image_size}: {name} cannot take it ({text})") from None

@@ -30,6 +30,10 @@ def test_the_block_is_found_from_the_model(name, classes, count):
     model = meta(name)
     found = blocks(model)
     assert block_classes(model) == classes and len(found) == count
+    if name == "resnet18":
+        assert [n for n, _ in found] == [f"layer{s}.{b}" for s in range(1, 5) for b in range(2)]
+    if name == "vit_b_16":
+        assert [n for n, _ in found] == [f"encoder.layers.encoder_layer_{i}" for i in range(12)]
     names = [n for n, _ in found]
     assert not any(a.startswith(b + ".") for a in names for b in names)  # outermost only, none inside another
     order = [n for n, _ in model.named_modules()]
@@ -43,6 +47,15 @@ def test_a_vision_transformer_is_built_for_the_run_size():
         net = build_model(cfg)
         assert net(torch.empty(2, 3, 32, 32)).shape == (2, 10)
     assert net.encoder.pos_embedding.shape == (1, (32 // 16) ** 2 + 1, 768)  # 4 patches and the class token
+
+
+def test_a_model_the_meta_device_cannot_build_still_builds():
+    """RegNet's constructor reads tensor values (.tolist()): no size check on the meta device, and the run
+    builds it as before."""
+    cfg = type("Cfg", (), {"model": "regnet_y_400mf", "pretrained": False, "channels_last": False,
+                           "image_size": 32})
+    check_image_size("regnet_y_400mf", 32)
+    assert build_model(cfg)(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
 @pytest.mark.parametrize("name, size, words", [

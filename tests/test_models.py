@@ -26,7 +26,9 @@ def test_grad_checkpointing_same_result_same_keys(name):
     ckpt = build_model(TrainConfig(model=name, pretrained=False, image_size=32, grad_checkpointing=True))
     ckpt.load_state_dict(plain.state_dict())
     assert list(plain.state_dict()) == list(ckpt.state_dict())
-    assert all(b.checkpointed for _, b in blocks(ckpt)) and not hasattr(plain, "checkpointed")
+    assert all(b.checkpointed for _, b in blocks(ckpt)) and not any(getattr(b, "checkpointed", False)
+                                                                   for _, b in blocks(plain))
+    assert [n for n, _ in blocks(ckpt)] == [n for n, _ in blocks(plain)]  # the swap keeps the blocks found
     x = torch.randn(4, 3, 32, 32)
     for m in (plain, ckpt):
         m.train()
@@ -35,7 +37,11 @@ def test_grad_checkpointing_same_result_same_keys(name):
     for (n, a), b in zip(plain.named_parameters(), ckpt.parameters()):
         assert torch.allclose(a.grad, b.grad, atol=1e-5), n
     bare = torchvision.models.get_model(name, num_classes=10, **({"image_size": 32} if name.startswith("vit") else {}))
-    assert bare.load_state_dict(ckpt.state_dict())
+    bare.load_state_dict(ckpt.state_dict())  # strict: raises on a missing or unexpected key
+    import pickle  # the swapped-in class pickles (spawned workers, torch.save of a whole model)
+
+    again = pickle.loads(pickle.dumps(ckpt))
+    assert type(blocks(again)[0][1]) is type(blocks(ckpt)[0][1])
 
 
 def test_pretrained_offline_names_the_way_out(monkeypatch):

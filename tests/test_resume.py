@@ -20,10 +20,11 @@ def args(tmp_path, script):
     return tiny_args(tmp_path, epochs=2, **extra)  # 4 steps an epoch; killed after the first epoch's checkpoint
 
 
-def start(script, argv, nproc, stderr=subprocess.PIPE):
+def start(script, argv, nproc, stderr=subprocess.PIPE, port=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, script] if nproc == 1 else \
-        [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), script]
+        [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port or free_port()),
+         script]
     return subprocess.Popen(cmd + argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
                             start_new_session=True, text=True)
 
@@ -64,19 +65,23 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, script, nproc):
     # the uninterrupted reference trains beside the run that is killed: on 2 cores the two overlap in their
     # imports, start-up and exits, and neither's result depends on timing (gloo's sums, no timed draw)
     ref.mkdir()
+    ports = [free_port()]
+    while len(ports) < 2:  # two launches at once: two rendezvous ports
+        ports += [p for p in [free_port()] if p not in ports]
     with open(ref / "stderr.txt", "w+") as ref_err:
-        ref_proc = start(script, args(ref, script), nproc, stderr=ref_err)
-        proc = start(script, args(cut, script) + ["--resume", "auto"], nproc)
-        latest = cut / "ckpt" / script[:-3] / "resume" / "latest"
-        deadline = time.time() + 240
-        while not latest.exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-        assert proc.poll() is None, "finished before it could be killed: " + proc.stderr.read()[-2000:]
-        kill_all(proc)  # SIGKILL, mid-run, somewhere after the first epoch's checkpoint
-        assert rows(cut / "summary.csv") == []  # a killed run leaves no row
+        ref_proc = start(script, args(ref, script), nproc, stderr=ref_err, port=ports[0])
+        proc = start(script, args(cut, script) + ["--resume", "auto"], nproc, port=ports[1])
         try:
+            latest = cut / "ckpt" / script[:-3] / "resume" / "latest"
+            deadline = time.time() + 240
+            while not latest.exists() and proc.poll() is None and time.time() < deadline:
+                time.sleep(0.02)
+            assert proc.poll() is None, "finished before it could be killed: " + proc.stderr.read()[-2000:]
+            kill_all(proc)  # SIGKILL, mid-run, somewhere after the first epoch's checkpoint
+            assert rows(cut / "summary.csv") == []  # a killed run leaves no row
             ref_proc.wait(timeout=300)
-        finally:
+        finally:  # neither launch outlives a failed assertion
+            kill_all(proc)
             kill_all(ref_proc)
         ref_err.seek(0)
         assert ref_proc.returncode == 0, ref_err.read()[-3000:]

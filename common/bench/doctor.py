@@ -162,7 +162,8 @@ def check_rows(rows: list[dict], runs: list[dict], gpus: int, save_dir: str) -> 
         steps, timed = int(r["steps"] or 0), int(r["timed_steps"] or 0)
         add(f"{name}: timed window excludes the warm-up", 0 < timed <= steps, f"timed_steps {timed} of {steps}")
         path = os.path.join(save_dir, r["script"][:-3], "model_final.pt")
-        add(f"{name}: model_final.pt loads into a bare torchvision {r['model']}", _loads(path, r["model"]), path)
+        add(f"{name}: model_final.pt loads into a bare torchvision {r['model']}",
+            _loads(path, r["model"], int(r["image_size"] or 224)), path)
         if gpus:
             add(f"{name}: peak_allocated <= peak_reserved <= peak_nvml", _ordered(r), " / ".join(
                 r[c] or "-" for c in GPU_COLUMNS[:3]))
@@ -191,12 +192,14 @@ def _ordered(r: dict) -> bool:
     return alloc <= reserved <= nvml  # NaN (a missing value) fails
 
 
-def _loads(path: str, model: str) -> bool:
+def _loads(path: str, model: str, image_size: int) -> bool:
     try:
         import torchvision
 
+        from ..models import size_kwargs
+
         sd = torch.load(path, map_location="cpu", weights_only=True)
-        torchvision.models.get_model(model, num_classes=10).load_state_dict(sd)
+        torchvision.models.get_model(model, num_classes=10, **dict(size_kwargs(model, image_size))).load_state_dict(sd)
         return True
     except Exception:
         return False

@@ -107,7 +107,8 @@ def train_flops_per_image(model: str, image_size: int, batch: int = 2) -> float:
     """Forward + backward FLOPs of one image (cross-entropy loss, input needs no gradient)."""
     from ..models import build_model
 
-    spec = types.SimpleNamespace(model=model, channels_last=False)  # no checkpointing, no weights
+    # no checkpointing, no weights; built for image_size where the family fixes it (ViT)
+    spec = types.SimpleNamespace(model=model, channels_last=False, image_size=image_size)
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         net = build_model(spec, pretrained=False)
         net.train()
