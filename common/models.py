@@ -33,27 +33,24 @@ def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
     return model
 
 
-_CHECKPOINTED: dict[type, type] = {}
-
-
 def checkpointed(cls: type) -> type:
     """cls whose forward keeps no activations but its inputs; backward recomputes them
     (torch.utils.checkpoint, non-reentrant). A subclass of the same name, swapped in by class, so
     state_dict keys, DataParallel replicas and FSDP's and accelerate's wrapping by class name see the same
     module. Caveat: BatchNorm running statistics are updated again during the recomputation."""
-    if cls not in _CHECKPOINTED:
+    # the same __name__ (accelerate wraps by class name); pickle finds it here by module and qualname
+    qualname = f"Checkpointed_{cls.__module__.replace('.', '_')}_{cls.__qualname__.replace('.', '_')}"
+    if qualname not in globals():
         def forward(self, *args, **kwargs):
             inner = super(sub, self).forward
             if self.training and torch.is_grad_enabled():
                 return checkpoint(inner, *args, use_reentrant=False, **kwargs)
             return inner(*args, **kwargs)
 
-        # the same __name__ (accelerate wraps by class name); pickle finds it here by module and qualname
-        qualname = f"Checkpointed_{cls.__module__.replace('.', '_')}_{cls.__qualname__.replace('.', '_')}"
         sub = type(cls.__name__, (cls,), {"forward": forward, "__module__": __name__, "__qualname__": qualname,
                                           "checkpointed": True})
-        globals()[qualname] = _CHECKPOINTED[cls] = sub
-    return _CHECKPOINTED[cls]
+        globals()[qualname] = sub
+    return globals()[qualname]
 
 
 class MixedPrecisionBatchNorm2d(nn.BatchNorm2d):
