@@ -12,7 +12,7 @@ just before use, freed after), the root holds the stem and the head. ResNet50's 
 small: expect memory close to DDP's, since activations dominate; try --model vit_l_16 for the opposite.
 Final weights are gathered to rank 0 into the same plain model_final.pt every script writes.
 """
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +41,7 @@ from common import (
     save_final,
     steps_per_epoch,
 )
+from common.distributed import fsdp_no_sync
 from common.models import blocks
 
 
@@ -62,17 +63,6 @@ def build_mesh(cfg, world_size, device):
         raise UsageError(f"--sharding hybrid needs the same process count on every node ({world_size} "
                          f"processes, {per_node} on this node)")
     return init_device_mesh(device.type, (world_size // per_node, per_node), mesh_dim_names=("replicate", "shard"))
-
-
-@contextmanager
-def no_sync(model):
-    """--grad-accum: the micro-batches before the last keep unsharded gradients and reduce-scatter
-    nothing, as DDP's no_sync (FSDP2's set_requires_gradient_sync, which accelerate's no_sync calls)."""
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def main(cfg):
@@ -104,7 +94,8 @@ def main(cfg):
     ctx = nullcontext()  # MixedPrecisionPolicy casts the parameters (not BatchNorm's statistics: see models.py)
     scaled = ScaledStep(cfg, model, optimizer, scheduler, scaler)  # backward, clip, step, zero_grad, schedule
 
-    hooks = TrainHooks(scaled.backward, scaled.step, device, ctx=ctx, input_dtype=dtype, no_sync=lambda: no_sync(model),
+    hooks = TrainHooks(scaled.backward, scaled.step, device, ctx=ctx, input_dtype=dtype,
+                       no_sync=lambda: fsdp_no_sync(model),
                        skipped_steps=scaled.skipped_steps, optimizer=optimizer)
     metrics = fit(cfg, model, train_loader, test_loader, hooks,
                   DCPCheckpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))

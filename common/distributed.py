@@ -5,6 +5,7 @@ local rank as the global one (as the articles' repository did) makes two process
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -194,13 +195,14 @@ def world_size() -> int:
 HARNESS = "harness:collective"
 
 
-def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
     """In-place all-reduce of a tensor on the run's device, whenever a group exists: a world of one
-    still reduces, so a single-GPU machine exercises the same nccl path as a multi-GPU one."""
+    still reduces, so a single-GPU machine exercises the same nccl path as a multi-GPU one. group:
+    a subgroup (tensor parallelism: the data-parallel ranks), else every rank."""
     if not (dist.is_available() and dist.is_initialized()):
         return tensor
     with torch.profiler.record_function(HARNESS):
-        dist.all_reduce(tensor, op=op)
+        dist.all_reduce(tensor, op=op, group=group)
         if tensor.device.type == "cuda":  # NCCL is asynchronous: its kernel must run inside the range too
             torch.cuda.current_stream(tensor.device).synchronize()
     return tensor
@@ -297,3 +299,15 @@ def claim_failure_row() -> bool:
         return store.add(f"bench/failure_row/{restarts()}", 1) == 1
     except Exception:
         return global_rank() == 0
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(model):
+    """--grad-accum under FSDP2: the micro-batches before the last keep unsharded gradients and
+    reduce-scatter nothing, as DDP's no_sync (FSDP2's set_requires_gradient_sync, which accelerate's
+    no_sync calls). pytorch_FSDP.py, and pytorch_TP.py over its dp ranks."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -79,6 +79,9 @@ SCRIPTS = [
     Script("pytorch_PP.py", "pp_gpipe", "torchrun", ("fp32",),
            "pipeline parallelism, `torch.distributed.pipelining` (`--schedule gpipe/1f1b/interleaved-1f1b`, "
            "`--microbatches M`, `--split`)", max_processes=4),
+    Script("pytorch_TP.py", "tp", "torchrun", ("fp32", "bf16"),
+           "tensor parallelism on a ViT (`--tp N`: heads and MLP split, Megatron-style); the other ranks FSDP2 "
+           "on a 2-D mesh; `--precision` as autocast", preset_args={"model": "vit_b_16"}, label="amp_"),
     Script("pytorch_DDP.py", "ddp", "torchrun", ALL_PRECISIONS,
            "DDP (`--sync-bn`, `--grad-accum N` with `no_sync`, `--precision` as autocast)", label="amp_"),
     Script("pytorch_DDP_ZeRO.py", "ddp_zero", "torchrun", ALL_PRECISIONS,
@@ -113,17 +116,24 @@ def top_level_scripts() -> list[str]:
                   if f.endswith(".py") and f.startswith(("pytorch_", "accelerate_")))
 
 
+def _model_flag(s: Script) -> str:
+    """A script for one family (pytorch_TP.py) names its model: the config's ResNet50 would be refused."""
+    return f" --model {s.preset_args['model']}" if "model" in s.preset_args else ""
+
+
 def gpu_command(s: Script, gpus: int = 4) -> str:
     return {"python": f"python {s.file}",
             "torchrun": f"torchrun --nproc_per_node {gpus} {s.file}",
             "deepspeed": f"deepspeed --num_gpus {gpus} {s.file}",
-            "accelerate": f"accelerate launch --config_file {s.accelerate_config} {s.file}"}[s.launcher]
+            "accelerate": f"accelerate launch --config_file {s.accelerate_config} {s.file}",
+            }[s.launcher] + _model_flag(s)
 
 
 def cpu_command(s: Script) -> str:
     if s.needs_cuda:
         return "refuses: needs CUDA"
-    flags = "--device cpu ..." + (" --precision bf16" if "fp32" not in s.precisions else "")
+    flags = _model_flag(s).lstrip() + (" " if _model_flag(s) else "") + "--device cpu ..." + (
+        " --precision bf16" if "fp32" not in s.precisions else "")
     if not s.distributed:
         return f"python {s.file} {flags}"
     launcher = "deepspeed --num_gpus 2" if s.launcher == "deepspeed" else "torchrun --nproc_per_node 2"

@@ -404,7 +404,7 @@ def parameter_count(model: str) -> int | None:
 
 def _comm(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     """Measured communication beside the volume the strategy should send (common/measure/comm.py)."""
-    from .measure.comm import expected_bytes
+    from .measure.comm import expected_bytes, tp_expected_bytes
 
     ok = latest(rows)
     ok = ok[(ok.status == "ok") & (ok.world_size > 1)]
@@ -416,6 +416,9 @@ def _comm(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
         accum = pd.to_numeric(r.get("grad_accum"), errors="coerce")
         accum = 1 if pd.isna(accum) else int(accum)
         want = expected_bytes(r.strategy, r.precision, params, accum) if params else None
+        if str(r.strategy).startswith("tp") and not pd.isna(pd.to_numeric(r.get("tp_size"), errors="coerce")):
+            want = tp_expected_bytes(r.model, int(r.image_size), int(r.global_batch_size), int(r.world_size),
+                                     int(r.tp_size), accum, r.precision)  # activations: from the row's shapes
         got = r.comm_bytes_per_step
         ratio = f"{got / want:.3f}" if want and not math.isnan(got) else "–"
         table.append([r.label, r.strategy, r.precision, _fmt(r.world_size, 0), _fmt(got / 1e6, 1),

@@ -34,7 +34,8 @@ COLUMNS = CONTRACT + [
     # what makes the row reproducible
     "run_name", "device_name", "num_devices", "train_accuracy", "timed_steps", "compile_time_s",
     "skipped_steps", "resumed", "restarts", "repeat", "scaling", "tf32", "channels_last", "grad_checkpointing",
-    "compile", "loader", "grad_accum", "microbatches", "optimizer", "lr", "seed", "pretrained", "cpu_threads",
+    "compile", "loader", "grad_accum", "microbatches", "tp_size", "optimizer", "lr", "seed", "pretrained",
+    "cpu_threads",
     # the input pipeline, the step-time distribution, compute efficiency, energy, time to accuracy
     "loader_img_s", "step_ms_p50", "step_ms_p90", "train_gflop_per_img", "achieved_tflops", "peak_tflops", "mfu",
     "energy_j", "img_per_j", "target_accuracy", "time_to_target_s",
@@ -58,7 +59,8 @@ HISTORY.append([c for c in COLUMNS if c != "notes" and c not in _PRED_PARTS])  #
 HISTORY.append([c for c in COLUMNS if c not in _PRED_PARTS])  # a development header with notes alone
 _TIME = ["step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms",
          "step_other_ms", "pred_step_ms", "pred_img_s", "pred_time_error_pct"]
-HISTORY.append([c for c in COLUMNS if c not in _TIME])  # 0.4.0: before the time columns
+HISTORY.append([c for c in COLUMNS if c not in _TIME and c != "tp_size"])  # 0.4.0: before the time columns
+HISTORY.append([c for c in COLUMNS if c != "tp_size"])  # 0.5.0: before tensor parallelism
 
 
 def _lock(path: str) -> FileLock:

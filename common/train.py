@@ -484,9 +484,10 @@ def _check_finite(streak: torch.Tensor, cfg: TrainConfig) -> None:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, *, ctx: ContextManager, device: torch.device,
-             input_dtype: torch.dtype = torch.float32, channels_last: bool = False) -> tuple[float, int]:
+             input_dtype: torch.dtype = torch.float32, channels_last: bool = False, group=None) -> tuple[float, int]:
     """Top-1 accuracy over the whole test set: each rank sees its shard, padding is masked out,
-    the counts are summed over ranks, so every test sample counts exactly once."""
+    the counts are summed over ranks, so every test sample counts exactly once. group: the ranks that
+    hold distinct shards when several ranks compute one forward together (tensor parallelism's dp group)."""
     model.eval()
     correct = torch.zeros((), dtype=torch.int64, device=device)
     count = torch.zeros((), dtype=torch.int64, device=device)
@@ -497,5 +498,5 @@ def evaluate(model: nn.Module, loader, *, ctx: ContextManager, device: torch.dev
             pred = model(x).argmax(1)
         correct += ((pred == y) & valid).sum()
         count += valid.sum()
-    totals = all_reduce(torch.stack([correct, count]))
+    totals = all_reduce(torch.stack([correct, count]), group=group)
     return (totals[0] / totals[1]).item() if totals[1] else float("nan"), int(totals[1])

@@ -46,6 +46,9 @@ AT_3 = {"batch_size": 12, "train_samples": 48}
 # fp16/bf16 kernels (fp16 on most CPUs, bf16 on those without avx512_bf16) torch's reference kernels run:
 # a resnet18 step of 8 images at 16 px takes 1.6 s there, shufflenet_v2_x0_5's 0.09 s
 HALF_MODEL = "shufflenet_v2_x0_5"
+# the vision transformer of the TP runs: at 32 px (16 where half kernels are emulated: helpers.half_size) 4
+# patches, 86M parameters; TINY's 4 steps of 16
+VIT = {"model": "vit_b_16"}
 # flags some cases add, so that the option's path runs somewhere
 EXTRA = {("pytorch_auto_mixed_precision.py", "fp16"): {"clip_grad_norm": 1.0},
          ("pytorch_half_precision.py", "bf16"): {"bn_fp32": True, "loss_scale": 128}}
@@ -84,11 +87,13 @@ def script_case(file: str, precision: str) -> Launch:
     s = BY_FILE[file]
     fp32 = precision == "fp32"
     over = {**({**EQUAL, **AT_3} if fp32 else {"model": HALF_MODEL}), **EXTRA.get((file, precision), {})}
+    if "model" in s.preset_args:  # a script for one family (pytorch_TP.py: a ViT, heads split over 2 ranks)
+        over = {**(EQUAL if fp32 else {}), **VIT}
     if file in DS_CASES:
         over["deepspeed_config"] = DS_CASES[file][precision]
     twin = ("tests/twins/deepspeed_fp16_on_cpu.py", file) if s.deepspeed_config and precision == "fp16" \
         and not deepspeed_fp16_here() else ()
-    nproc = 1 if not s.distributed else 3 if fp32 and s.max_processes is None else 2
+    nproc = 1 if not s.distributed else 3 if fp32 and s.max_processes is None and "model" not in s.preset_args else 2
     return Launch(file, precision, tuple(sorted(over.items())), nproc=nproc,
                   launcher="torchrun" if s.distributed else "python", twin=twin)
 
@@ -105,6 +110,10 @@ CASES.update({
     "pytorch_FSDP-vit_b_16": Launch("pytorch_FSDP.py", "fp32", (
         ("epoch_checkpoints", False), ("image_size", 32), ("loader_probe_batches", 0), ("model", "vit_b_16"),
         ("train_samples", 32)), 2, "torchrun"),
+    # test_tp: the same steps in one process, and tp 2 x FSDP over dp 2 on 4 ranks
+    "pytorch_SingleGPU-vit_b_16": Launch("pytorch_SingleGPU.py", "fp32", tuple(sorted({**EQUAL, **VIT}.items()))),
+    "pytorch_TP-fp32-dp2": Launch("pytorch_TP.py", "fp32", tuple(sorted({**EQUAL, **VIT, "epoch_checkpoints": False}
+                                                                        .items())), 4, "torchrun"),
     "accelerate_FSDP-twin-bf16": Launch("accelerate_FSDP.py", "bf16", (("clip_grad_norm", 1.0),), 2, "torchrun",
                                         twin=("tests/twins/accelerate_fsdp_on_cpu.py",)),
 })

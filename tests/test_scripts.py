@@ -99,7 +99,7 @@ def test_every_script_and_precision(launched, entry, precision):
         assert float(row["comm_bytes_per_step"]) == want, row["comm_bytes_per_step"]
     if precision == "fp16" and entry.file != "pytorch_half_precision.py":
         assert row["skipped_steps"] != ""  # a GradScaler (or DeepSpeed's loss scaler) ran and was counted
-    load_bare(r.final(), row["model"])
+    load_bare(r.final(), row["model"], int(row["image_size"]))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -23,9 +23,12 @@ from ..names import classification_models
 HEADROOM = 0.9  # the prediction leaves out the allocator's cache, workspaces and the CUDA context
 SINGLE = ("single", "half", "amp")
 # communication per step, least first: FairScale's order (DDP, then shard optimizer state, gradients,
-# parameters, then offload); DataParallel and the single-device runs are never preferred
+# parameters, then offload), with tensor parallelism after full sharding: it all-reduces activations in
+# every block, on the critical path (Megatron-LM keeps it inside a node for that reason); DataParallel
+# and the single-device runs are never preferred
 ORDER = ("ddp", "ddp_zero", "deepspeed_zero1", "deepspeed_zero2", "fsdp_shard-grad-op", "fsdp_full-shard",
-         "deepspeed_zero3", "fsdp_full-shard_offload", "deepspeed_zero2_offload", "deepspeed_zero3_offload")
+         "deepspeed_zero3", "tp_fsdp", "tp", "fsdp_full-shard_offload", "deepspeed_zero2_offload",
+         "deepspeed_zero3_offload")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -46,6 +49,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="fp32", help="fp32, or fp16/bf16 mixed precision")
     p.add_argument("--optimizer", default="sgd", help="sgd (momentum) or adamw")
     p.add_argument("--grad-checkpointing", action="store_true", help="predict with activation checkpointing")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree of the tp_fsdp row (pytorch_TP.py on a "
+                   "ViT: tp ranks split each block, FSDP over the rest); the tp row splits over every GPU")
 
 
 def check(opts) -> None:
@@ -92,10 +97,34 @@ def setups(opts) -> list[Setup]:
     for st in STRATEGIES:
         if st.startswith("accelerate_") or st == "fsdp_hybrid":
             continue  # accelerate runs the same engines; hybrid equals full-shard on one node
+        if st in ("tp", "tp_fsdp"):
+            out += _tp_setups(base, st, opts)
+            continue
         precision = {"single": "fp32", "dp": "fp32", "half": half, "amp": half}.get(st, opts.precision)
         world = 1 if st in SINGLE else opts.gpus
         out.append(replace(base, strategy=st, precision=precision, world_size=world))
     return out
+
+
+def _tp_setups(base: Setup, strategy: str, opts) -> list[Setup]:
+    """pytorch_TP.py's layouts for a model it splits (a ViT): tp over every GPU; and --tp with FSDP over the
+    GPUs left (the 2-D mesh) when there are some. None where tp does not divide the heads, and for fp16
+    (pytorch_TP.py trains in fp32 or bf16 autocast)."""
+    from ..measure.memory import meta_model
+    from ..tensor_parallel import check_degree, tp_able
+
+    tp = opts.gpus if strategy == "tp" else opts.tp
+    if opts.precision == "fp16" or opts.gpus < 2 or tp < 2 or opts.gpus % tp or (strategy == "tp_fsdp" and
+                                                                                  opts.gpus == tp):
+        return []
+    model = meta_model(opts.model, image_size=opts.image_size)
+    if not tp_able(model):
+        return []
+    try:
+        check_degree(model, tp)
+    except UsageError:
+        return []
+    return [replace(base, strategy=strategy, world_size=opts.gpus, tp=tp)]
 
 
 def recommend(preds: dict, opts) -> str:
@@ -113,7 +142,7 @@ def recommend(preds: dict, opts) -> str:
     reason = [f"{best}: predicted peak {p.peak / GIB:.2f} GiB of {g:g} GiB, the least communication of those "
               f"that fit"]
     if best == "ddp":
-        saved = (ddp.peak - min(preds[s].peak for s in ORDER)) / GIB
+        saved = (ddp.peak - min(preds[s].peak for s in ORDER if s in preds)) / GIB
         reason.append(f"activations are {act_share:.0%} of DDP's peak, so sharding model state saves at most "
                       f"{saved:.2f} GiB per GPU for more communication")
     else:
@@ -143,7 +172,8 @@ def advise(opts) -> int:
         preds[s.strategy] = p
         gib = p.gib()
         fits = "yes" if gib["peak"] <= HEADROOM * g else ("tight" if gib["peak"] <= g else "no")
-        print(f"{s.strategy:<24}{s.world_size:>5}{s.precision:>6}" + "".join(f"{gib[c]:>8.2f}" for c in cols)
+        label = f"{s.strategy} (tp {s.tp})" if s.strategy.startswith("tp") else s.strategy
+        print(f"{label:<24}{s.world_size:>5}{s.precision:>6}" + "".join(f"{gib[c]:>8.2f}" for c in cols)
               + f"{gib['peak']:>8.2f}  {fits}")
     print("recommendation: " + recommend(preds, opts))
     if opts.calibration or opts.gpu:

@@ -358,3 +358,29 @@ def expected_bytes(strategy: str, precision: str, params: int, grad_accum: int =
     if strategy.startswith(GATHER_PER_MICROBATCH):
         weights *= grad_accum
     return params * (weights * w_bytes + grads * g_bytes)
+
+
+def tp_expected_bytes(model: str, image_size: int, batch_size: int, world_size: int, tp: int,
+                      grad_accum: int = 1, precision: str = "fp32") -> float:
+    """pytorch_TP.py per optimizer step and rank, S terms. Tensor parallelism (Megatron-LM, Shoeybi et al.
+    2019, section 3): every block all-reduces micro-batch x tokens x hidden twice in forward
+    (RowwiseParallel's outputs: attention out_proj, mlp.3) and twice in backward (the gradients of the
+    block's two replicated inputs, common/tensor_parallel.py), for every micro-batch. Under autocast
+    (amp_bf16) the forward ones are the half outputs of the linears; the backward ones are fp32, the
+    gradient of the fp32 LayerNorm output that autocast cast to half inside the linear. With
+    data-parallel ranks left over (tp_fsdp), FSDP2 full-shard over them as above, fp32 (no
+    MixedPrecisionPolicy), on each tp rank's local shards: 2 all-gathers per micro-batch, one reduce-scatter."""
+    from .memory import meta_model, model_facts
+
+    net = meta_model(model, image_size=image_size)
+    layers = [m for m in net.modules() if hasattr(m, "self_attention")]
+    hidden = layers[0].self_attention.embed_dim
+    tokens = (image_size // net.patch_size) ** 2 + 1  # the patches and the class token
+    dp = world_size // tp
+    micro = batch_size // dp // grad_accum
+    forward = 2 if precision.startswith("amp_") else 4
+    out = 2 * len(layers) * micro * tokens * hidden * (forward + 4) * grad_accum
+    if dp > 1:
+        local = sum(math.prod(sh) for sh in model_facts(model, image_size, tp)[0])
+        out += local * (2 * grad_accum + 1) * 4
+    return float(out)

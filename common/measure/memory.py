@@ -47,7 +47,7 @@ DS_MAX_LIVE = 1_000_000_000
 STRATEGIES = ("single", "half", "amp", "dp", "ddp", "ddp_zero", "fsdp_full-shard", "fsdp_shard-grad-op",
               "fsdp_hybrid", "fsdp_full-shard_offload", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3",
               "deepspeed_zero2_offload", "deepspeed_zero3_offload", "accelerate_ddp", "accelerate_fsdp",
-              "accelerate_deepspeed_zero1", "accelerate_deepspeed_zero2", "accelerate_deepspeed_zero3")
+              "accelerate_deepspeed_zero1", "accelerate_deepspeed_zero2", "accelerate_deepspeed_zero3", "tp", "tp_fsdp")
 COMPONENTS = ("params", "grads", "optimizer", "master", "activations", "comm")
 
 
@@ -67,11 +67,17 @@ class Setup:
     local_world_size: int = 0  # fsdp_hybrid: ranks per node (shard group); 0 = world_size
     bn_fp32: bool = False  # pure half (pytorch_half_precision.py --bn-fp32): BatchNorm parameters stay fp32
     zero: dict = field(default_factory=dict)  # DeepSpeed's zero_optimization section (bucket sizes)
+    tp: int = 1  # tp, tp_fsdp (pytorch_TP.py): ranks that split every block; world_size / tp data-parallel
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each sees its own share of the batch (tensor-parallel ranks share theirs)."""
+        return max(1, self.world_size // self.tp)
 
     @property
     def micro_batch(self) -> int:
         """Images one rank's forward sees: DataParallel and single devices split nothing across processes."""
-        ranks = 1 if self.strategy in ("single", "half", "amp") else self.world_size
+        ranks = 1 if self.strategy in ("single", "half", "amp") else self.dp
         return max(1, math.ceil(self.batch_size / ranks / self.grad_accum))
 
 
@@ -113,10 +119,13 @@ class Prediction:
 
 # --- the model, without allocating it ------------------------------------------------------------
 
-def meta_model(name: str, grad_checkpointing: bool = False, image_size: int | None = None) -> nn.Module:
+def meta_model(name: str, grad_checkpointing: bool = False, image_size: int | None = None, tp: int = 1) -> nn.Module:
     """The project's model (10-class head, its BatchNorm, optional checkpointed blocks) on the meta device,
-    built for image_size where the family fixes its input size (ViT)."""
+    built for image_size where the family fixes its input size (ViT). tp > 1: one tensor-parallel rank's
+    model (common/tensor_parallel.py): heads/tp heads and mlp_dim/tp MLP units per block, the rest whole.
+    Its parameters are the rank's local shards and its forward saves what the rank's forward saves."""
     from ..models import build_model
+    from ..tensor_parallel import split_attention
 
     class Cfg:  # the fields build_model reads
         model, pretrained, channels_last = name, False, False
@@ -124,14 +133,16 @@ def meta_model(name: str, grad_checkpointing: bool = False, image_size: int | No
     Cfg.grad_checkpointing = grad_checkpointing
     Cfg.image_size = image_size
     with torch.device("meta"):
-        return build_model(Cfg)
+        model = build_model(Cfg)
+    return split_attention(model, local=tp) if tp > 1 else model
 
 
 @functools.lru_cache(maxsize=8)
-def model_facts(name: str, image_size: int | None = None) -> tuple[list[torch.Size], list[list[torch.Size]], int]:
+def model_facts(name: str, image_size: int | None = None,
+                tp: int = 1) -> tuple[list[torch.Size], list[list[torch.Size]], int]:
     """(parameter shapes, FSDP units' parameter shapes, elements of conv/linear weights) of a model built for
-    image_size (a ViT's position embedding has one entry per patch)."""
-    model = meta_model(name, image_size=image_size)
+    image_size (a ViT's position embedding has one entry per patch); of one tensor-parallel rank for tp > 1."""
+    model = meta_model(name, image_size=image_size, tp=tp)
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
     return [p.shape for p in model.parameters()], fsdp_units(model), matmul
 
@@ -182,7 +193,8 @@ def _block_tracker(model: nn.Module, current: list):
 
 @functools.lru_cache(maxsize=64)  # advise asks for the same forward under several strategies
 def saved_activation_bytes(model_name: str, image_size: int, batch: int, dtype: torch.dtype = torch.float32,
-                           channels_last: bool = False, grad_checkpointing: bool = False) -> tuple[int, dict]:
+                           channels_last: bool = False, grad_checkpointing: bool = False,
+                           tp: int = 1) -> tuple[int, dict]:
     """Bytes autograd saves in one training forward of `batch` images (parameters and buffers left
     out: they are model state), and the bytes first saved inside each block of models.blocks (key: its
     index; None: outside every block). A meta-device forward under saved_tensors_hooks
@@ -191,7 +203,7 @@ def saved_activation_bytes(model_name: str, image_size: int, batch: int, dtype: 
     checkpointed ones and the walk sees what non-reentrant checkpoint keeps: nothing saved inside a block
     (its own saved_tensors_hooks hold no tensor), and each block's inputs, which it saves through
     _NoopSaveInputs (torch/utils/checkpoint.py) under this walk's hooks."""
-    model = meta_model(model_name, grad_checkpointing, image_size).to(dtype=dtype)
+    model = meta_model(model_name, grad_checkpointing, image_size, tp).to(dtype=dtype)
     for m in model.modules():  # BatchNorm statistics stay fp32, as MixedPrecisionBatchNorm2d keeps them
         if isinstance(m, nn.BatchNorm2d):
             m.float()
@@ -221,7 +233,7 @@ def saved_activation_bytes(model_name: str, image_size: int, batch: int, dtype: 
 
 @functools.lru_cache(maxsize=64)
 def backward_curve(model_name: str, image_size: int, batch: int, dtype: torch.dtype = torch.float32,
-                   channels_last: bool = False) -> tuple[tuple[float, float, float], ...]:
+                   channels_last: bool = False, tp: int = 1) -> tuple[tuple[float, float, float], ...]:
     """The backward pass in order, on the meta device: after each step, (share of the saved
     activations still alive, share of the parameters whose gradient exists, bytes of the gradient
     flowing back at that point). A saved storage is freed when autograd unpacks it for the last
@@ -229,7 +241,7 @@ def backward_curve(model_name: str, image_size: int, batch: int, dtype: torch.dt
     (register_post_accumulate_grad_hook). ResNet's layer4 and fc hold most of the parameters and
     their gradients appear first, while layer1-3's activations are still alive: at small batches
     that sum, not max(activations, gradients), is the peak."""
-    model = meta_model(model_name, image_size=image_size).to(dtype=dtype)
+    model = meta_model(model_name, image_size=image_size, tp=tp).to(dtype=dtype)
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.float()
@@ -290,7 +302,7 @@ def backward_curve(model_name: str, image_size: int, batch: int, dtype: torch.dt
 def _curve(s: Setup) -> tuple:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(s.precision, torch.float32)
     try:
-        return backward_curve(s.model, s.image_size, s.micro_batch, dtype, s.channels_last)
+        return backward_curve(s.model, s.image_size, s.micro_batch, dtype, s.channels_last, s.tp)
     except Exception:  # a model whose backward the meta device cannot run: the plain max instead
         return ()
 
@@ -307,13 +319,13 @@ def activation_bytes(s: Setup) -> float:
     recomputes one block at a time, so the largest block's own activations come back once."""
     half = s.precision != "fp32"
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(s.precision, torch.float32)
-    total, per_block = saved_activation_bytes(s.model, s.image_size, s.micro_batch, dtype, s.channels_last)
+    total, per_block = saved_activation_bytes(s.model, s.image_size, s.micro_batch, dtype, s.channels_last, False, s.tp)
     inside = [v for k, v in per_block.items() if k is not None]
     if s.grad_checkpointing and inside:
-        kept, _ = saved_activation_bytes(s.model, s.image_size, s.micro_batch, dtype, s.channels_last, True)
+        kept, _ = saved_activation_bytes(s.model, s.image_size, s.micro_batch, dtype, s.channels_last, True, s.tp)
         total = kept + max(inside)
-    if half and s.strategy in ("amp", "ddp", "ddp_zero", "dp", "accelerate_ddp"):
-        total += 2 * model_facts(s.model, s.image_size)[2]
+    if half and s.strategy in ("amp", "ddp", "ddp_zero", "dp", "accelerate_ddp", "tp", "tp_fsdp"):
+        total += 2 * model_facts(s.model, s.image_size, s.tp)[2]
     return float(total)
 
 
@@ -371,14 +383,14 @@ def predict(s: Setup) -> Prediction:
         from ..config import UsageError
 
         raise UsageError(f"unknown strategy {s.strategy!r}; one of {', '.join(STRATEGIES)}")
-    shapes, units, _ = model_facts(s.model, s.image_size)
+    shapes, units, _ = model_facts(s.model, s.image_size, s.tp)  # tp > 1: one tensor-parallel rank's shards
     n, tensors = sum(_numel(sh) for sh in shapes), len(shapes)
     half = ITEMSIZE[s.precision]
     w = s.world_size
     slots = _opt_slots(s)
     p = Prediction(s, activations=activation_bytes(s), curve=_curve(s))
     strat = s.strategy.removeprefix("accelerate_")
-    if strat in ("single", "amp", "dp", "ddp"):
+    if strat in ("single", "amp", "dp", "ddp", "tp"):
         # autocast keeps fp32 weights, gradients and optimizer state (torch/amp/autocast_mode.py casts per op)
         p.params = p.grads = 4 * n
         p.optimizer = 4 * slots * n + _step_bytes(s, tensors)
@@ -403,7 +415,8 @@ def predict(s: Setup) -> Prediction:
         p.params = p.grads = p.comm = 4 * n
         numel, count = _zero1_max_rank(shapes, w)
         p.optimizer = 4 * slots * numel + _step_bytes(s, count)
-    if strat.startswith("fsdp"):
+    if strat.startswith("fsdp") or strat == "tp_fsdp":
+        # tp_fsdp: FSDP2 over the dp ranks of each tensor-parallel rank's local shards (pytorch_TP.py)
         p = _fsdp(s, p, units, tensors, slots, half)
     if strat.startswith("deepspeed"):
         p = _deepspeed(s, p, units, shapes, n, slots, half)
@@ -416,9 +429,9 @@ def _fsdp(s: Setup, p: Prediction, units, tensors, slots, half) -> Prediction:
     weights: MixedPrecisionPolicy casts only the all-gathered copy to param_dtype), gradients are
     reduce-scattered in fp32 (reduce_dtype), the optimizer steps on the local shards."""
     strat = s.strategy.removeprefix("accelerate_")
-    mode = "full-shard" if strat == "fsdp" else strat.split("_")[1]
+    mode = "full-shard" if strat in ("fsdp", "tp_fsdp") else strat.split("_")[1]
     offload = strat.endswith("_offload")
-    shard_world = (s.local_world_size or s.world_size) if mode == "hybrid" else s.world_size
+    shard_world = (s.local_world_size or s.world_size) if mode == "hybrid" else s.dp
     shard = sum(_fsdp_shard_numel(u, shard_world) for u in units)
     gathered = [half * sum(_numel(sh) for sh in u) for u in units]
     if offload:

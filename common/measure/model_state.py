@@ -116,6 +116,8 @@ def setup_of(cfg, world: int, precision: str | None = None) -> Setup | None:
         strategy = f"fsdp_{cfg.sharding}" + ("_offload" if getattr(cfg, "cpu_offload", False) else "")
     elif strategy == "accelerate_fsdp":
         strategy = "accelerate_fsdp"
+    elif strategy == "tp":  # pytorch_TP.py: the 2-D mesh when processes are left over the tp degree
+        strategy = "tp" if world == cfg.tp else "tp_fsdp"
     elif entry.deepspeed_config:
         zero = _ds_zero(cfg)
         strategy = f"{strategy}_zero{zero.get('stage', 0)}" + ("_offload" if getattr(cfg, "offload", False) else "")
@@ -128,7 +130,7 @@ def setup_of(cfg, world: int, precision: str | None = None) -> Setup | None:
                  precision=precision, optimizer=cfg.optimizer, strategy=strategy, momentum=cfg.momentum,
                  grad_accum=cfg.grad_accum, grad_checkpointing=cfg.grad_checkpointing,
                  channels_last=cfg.channels_last, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)),
-                 zero=zero, bn_fp32=bool(getattr(cfg, "bn_fp32", False)))
+                 zero=zero, bn_fp32=bool(getattr(cfg, "bn_fp32", False)), tp=getattr(cfg, "tp", 1))
 
 
 class ModelState(Instrument):

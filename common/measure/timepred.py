@@ -37,6 +37,8 @@ class TimePrediction(Instrument):
             return None, "no step model for this script"
         if s.strategy.endswith("_offload"):
             return None, "offload is not in the step model (host transfers, CPU optimizer)"
+        if s.strategy in ("tp", "tp_fsdp"):
+            return None, "tensor parallelism is not in the step model (its activation all-reduces)"
         path = getattr(cfg, "calibration", "") or DEFAULT
         data = load(path)
         from .fingerprint import device_name

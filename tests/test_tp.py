@@ -1,0 +1,120 @@
+"""Tensor parallelism (pytorch_TP.py, common/tensor_parallel.py): the split attention is torchvision's
+attention, one rank's model is what the memory model walks, and the script trains like one process, at
+tp 2 on 2 ranks and at tp 2 x FSDP dp 2 on 4, sending what Megatron's scheme sends."""
+import math
+from argparse import Namespace
+
+import pytest
+import torch
+import torchvision
+from helpers import check_ok
+
+from common.config import TrainConfig, UsageError
+from common.models import build_model
+from common.tensor_parallel import SplitAttention, check_degree, merge_attention, split_attention
+
+
+def vit(**kw):
+    torch.manual_seed(0)
+    return build_model(TrainConfig(model="vit_b_16", pretrained=False, image_size=32, **kw))
+
+
+def test_split_attention_is_torchvision_attention():
+    """The same weights, the same forward and gradients, in training and eval mode (MultiheadAttention's
+    fast path); the state_dict packs back into a bare torchvision ViT."""
+    ref, model = vit(), split_attention(vit())
+    assert isinstance(model.encoder.layers[0].self_attention, SplitAttention)
+    x = torch.randn(3, 3, 32, 32)
+    for train in (True, False):
+        ref.train(train), model.train(train)
+        assert torch.allclose(model(x), ref(x), atol=1e-5)
+    ref.train(), model.train()
+    ref(x).square().sum().backward()
+    model(x).square().sum().backward()
+    att, split = ref.encoder.layers[3].self_attention, model.encoder.layers[3].self_attention
+    packed = torch.cat([split.q.weight.grad, split.k.weight.grad, split.v.weight.grad])
+    assert torch.allclose(packed, att.in_proj_weight.grad, rtol=1e-4, atol=1e-6)
+    bare = torchvision.models.vit_b_16(num_classes=10, image_size=32)
+    bare.load_state_dict(merge_attention(model.state_dict()))  # strict
+    assert torch.equal(bare.encoder.layers[3].self_attention.in_proj_weight, att.in_proj_weight)
+
+
+def test_one_rank_model_holds_its_shards():
+    """The memory model's tp rank (memory.meta_model tp=2): q, k, v and mlp.0 keep half their rows,
+    out_proj and mlp.3 half their columns (their biases whole: RowwiseParallel replicates them), the rest
+    whole; its parameter count is what a rank of pytorch_TP.py holds."""
+    from common.measure.memory import meta_model
+
+    full, local = meta_model("vit_b_16", image_size=32), meta_model("vit_b_16", image_size=32, tp=2)
+    b = local.encoder.layers[0]
+    assert b.self_attention.q.weight.shape == (384, 768) and b.self_attention.out_proj.weight.shape == (768, 384)
+    assert b.mlp[0].weight.shape == (1536, 768) and b.mlp[3].weight.shape == (768, 1536)
+    layers = full.encoder.layers
+    split = sum(blk.mlp[0].weight.numel() + blk.mlp[0].bias.numel() + blk.self_attention.in_proj_weight.numel()
+                + blk.self_attention.in_proj_bias.numel() for blk in layers)
+    halved_cols = sum(m.weight.numel() for blk in layers for m in (blk.self_attention.out_proj, blk.mlp[3]))
+    n_full = sum(p.numel() for p in full.parameters())
+    assert sum(p.numel() for p in local.parameters()) == n_full - split // 2 - halved_cols // 2
+
+
+def test_degrees_and_families_refused():
+    with pytest.raises(UsageError, match="does not divide the model's 12 attention heads"):
+        check_degree(split_attention(vit()), 5)
+    with pytest.raises(UsageError, match="no nn.MultiheadAttention blocks"):
+        split_attention(torchvision.models.resnet18())
+
+
+def test_advise_rows_for_a_vit():
+    """advise on a ViT: tp over every GPU (when it divides the heads) and tp x FSDP on the 2-D mesh; the
+    tp rank holds half of every split layer, so its model state is below DDP's and above full sharding's."""
+    from common.bench.advise import setups
+    from common.measure.memory import predict
+
+    opts = Namespace(model="vit_b_16", image_size=224, batch_size=128, gpus=4, precision="bf16", optimizer="adamw",
+                     grad_checkpointing=False, tp=2)
+    got = {s.strategy: s for s in setups(opts)}
+    assert (got["tp"].tp, got["tp"].dp, got["tp_fsdp"].tp, got["tp_fsdp"].dp) == (4, 1, 2, 2)
+    state = {k: predict(got[k]).model_state for k in ("ddp", "tp", "tp_fsdp", "fsdp_full-shard")}
+    assert state["fsdp_full-shard"] < state["tp"] < state["ddp"] / 3
+    assert state["tp_fsdp"] == pytest.approx(state["tp"], rel=0.02)  # 1/2 x 1/2 vs 1/4: the same shard size
+    opts.gpus = 8  # 8 does not divide 12 heads: no tp row; tp 2 x dp 4 stays
+    assert {s.strategy for s in setups(opts)} & {"tp", "tp_fsdp"} == {"tp_fsdp"}
+    opts.model = "resnet50"
+    assert not {s.strategy for s in setups(opts)} & {"tp", "tp_fsdp"}
+
+
+TOLERANCE = 1e-4  # test_equivalence's: 4 SGD steps at lr 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, world", [("pytorch_TP-fp32", 2), ("pytorch_TP-fp32-dp2", 4)])
+def test_tp_trains_like_one_process(launched, name, world):
+    """pytorch_TP.py on vit_b_16 at 32 px, tp 2 (2 ranks) and tp 2 x dp 2 (4 ranks, FSDP2 over dp), against
+    pytorch_SingleGPU.py on the same 4 batches: the same weights within test_equivalence's tolerance; the
+    model state each rank holds, as predicted; per step, 4 all-reduces per block (Megatron's f and g,
+    forward and backward: q, k and v's input gradients reduced once, not three times) of micro-batch x
+    5 tokens x 768, plus over dp FSDP's 2 gathers and a reduce-scatter of the rank's shards: within 10%.
+    The final weights load strictly into a bare torchvision ViT."""
+    from test_memory import check_model_state
+    from test_scripts import load_bare
+
+    from common.measure.comm import tp_expected_bytes
+
+    one, r = launched("pytorch_SingleGPU-vit_b_16"), launched(name)
+    check_ok(one.proc), check_ok(r.proc)
+    row = r.row
+    assert row["status"] == "ok" and int(row["world_size"]) == world and int(row["tp_size"]) == 2
+    assert row["strategy"] == ("tp" if world == 2 else "tp_fsdp") and int(row["test_samples"]) == 37
+    check_model_state(row)
+    want = tp_expected_bytes("vit_b_16", 32, int(row["global_batch_size"]), world, 2)
+    assert float(row["comm_bytes_per_step"]) == pytest.approx(want, rel=0.10), (row["comm_bytes_per_step"], want)
+    if world == 2:  # every collective is a tp all-reduce
+        assert float(row["comm_calls_per_step"]) == 4 * 12, row["comm_calls_per_step"]
+    ref, sd = load_bare(one.final(), "vit_b_16", 32), load_bare(r.final(), "vit_b_16", 32)
+    diff = max((sd[k] - ref[k]).abs().max().item() for k in ref)
+    init = vit().state_dict()["heads.head.weight"]
+    assert (ref["heads.head.weight"] - init).abs().max() > 100 * TOLERANCE  # training moved the weights
+    print(f"{name}: max |w - w_single| = {diff:.2e}")
+    assert diff < TOLERANCE
+    assert abs(float(row["train_loss"]) - float(one.row["train_loss"])) < 1e-4
+    assert math.isclose(float(row["test_accuracy"]), float(one.row["test_accuracy"]))
