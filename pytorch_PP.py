@@ -1,9 +1,11 @@
-"""Pipeline parallelism (torch.distributed.pipelining): each rank runs consecutive ResNet stages,
-every batch is cut into micro-batches that flow through the ranks.
+"""Pipeline parallelism (torch.distributed.pipelining): each rank runs consecutive pieces of the model
+(ResNet stages; any other family's blocks, e.g. a ViT's EncoderBlocks: common/pipeline.py), every batch
+is cut into micro-batches that flow through the ranks.
 
     torchrun --nproc_per_node 4 pytorch_PP.py --microbatches 8                  # GPipe, 4 stages
     torchrun --nproc_per_node 2 pytorch_PP.py --schedule 1f1b --split 2,2       # 2 ResNet stages per rank
     torchrun --nproc_per_node 2 pytorch_PP.py --schedule interleaved-1f1b       # 2 pipeline stages per rank
+    torchrun --nproc_per_node 4 pytorch_PP.py --model vit_b_16                  # 3 EncoderBlocks per rank
     torchrun --nproc_per_node 2 pytorch_PP.py --device cpu --dataset synthetic --no-pretrained   # gloo
 
 Shows what splitting the model costs against replicating it: every rank holds only its stages'
@@ -51,7 +53,8 @@ class PPConfig(DistributedConfig):
                         "(fewer activations kept); interleaved-1f1b: two stages per rank, smaller bubble",
                         choices=tuple(SCHEDULES))
     microbatches: int = opt(4, "micro-batches each batch is cut into (the pipeline's m)", min=1)
-    split: str = opt("", "ResNet stages per pipeline stage, e.g. 2,2; empty = balanced by parameter count")
+    split: str = opt("", "units per pipeline stage (ResNet stages, else the model's blocks), e.g. 2,2; empty = "
+                     "balanced by parameter count")
 
     # the schedule scales gradients by 1/m itself (accumulating steps would rescale them), and a
     # gradient norm is per stage here: these flags would be wrong, so they are not offered
@@ -80,7 +83,8 @@ def main(cfg):
     test_loader = build_test_loader(cfg, rank, world_size, device, max(1, cfg.batch_size // world_size))
 
     model = build_model(cfg)  # the whole model on every rank first: same initial weights as one process
-    pieces = split(model, plan(model, num_stages, cfg.split))
+    micro = torch.zeros(cfg.batch_size // cfg.microbatches, 3, cfg.image_size, cfg.image_size)
+    pieces = split(model, plan(model, num_stages, cfg.split), micro)  # ResNet stages; else blocks, traced
     mine = list(range(rank, num_stages, world_size))  # stage i on rank i % world, the library's mapping
     local = nn.ModuleList([pieces[i] for i in mine]).to(device)
     stages = [PipelineStage(pieces[i], i, num_stages, device) for i in mine]

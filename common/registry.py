@@ -75,10 +75,11 @@ SCRIPTS = [
     Script("pytorch_DP.py", "dp", "python", ("fp32",),
            "`nn.DataParallel` over every visible GPU from one process", one_process_gpus=True),
     Script("pytorch_MP.py", "mp", "python", ("fp32",),
-           "naive model parallelism: two ResNet halves on `cuda:0`/`cuda:1` (one device: both there)"),
+           "naive model parallelism: two halves (ResNet stages, a ViT's blocks) on `cuda:0`/`cuda:1` (one device: both "
+           "there)"),
     Script("pytorch_PP.py", "pp_gpipe", "torchrun", ("fp32",),
-           "pipeline parallelism, `torch.distributed.pipelining` (`--schedule gpipe/1f1b/interleaved-1f1b`, "
-           "`--microbatches M`, `--split`)", max_processes=4),
+           "pipeline parallelism, `torch.distributed.pipelining`, cut between ResNet stages or a ViT's blocks "
+           "(`--schedule gpipe/1f1b/interleaved-1f1b`, `--microbatches M`, `--split`)", max_processes=4),
     Script("pytorch_TP.py", "tp", "torchrun", ("fp32", "bf16"),
            "tensor parallelism on a ViT (`--tp N`: heads and MLP split, Megatron-style); the other ranks FSDP2 "
            "on a 2-D mesh; `--precision` as autocast", preset_args={"model": "vit_b_16"}, label="amp_"),

@@ -112,6 +112,11 @@ CASES.update({
         ("train_samples", 32)), 2, "torchrun"),
     # test_tp: the same steps in one process, and tp 2 x FSDP over dp 2 on 4 ranks
     "pytorch_SingleGPU-vit_b_16": Launch("pytorch_SingleGPU.py", "fp32", tuple(sorted({**EQUAL, **VIT}.items()))),
+    # test_blocks: vit_b_16 cut between its EncoderBlocks (2 pipeline ranks; the two halves in one process)
+    "pytorch_PP-vit_b_16": Launch("pytorch_PP.py", "fp32", tuple(sorted({**EQUAL, **VIT, "epoch_checkpoints": False}
+                                                                        .items())), 2, "torchrun"),
+    "pytorch_MP-vit_b_16": Launch("pytorch_MP.py", "fp32", tuple(sorted({**EQUAL, **VIT, "epoch_checkpoints": False}
+                                                                        .items()))),
     "pytorch_TP-fp32-dp2": Launch("pytorch_TP.py", "fp32", tuple(sorted({**EQUAL, **VIT, "epoch_checkpoints": False}
                                                                         .items())), 4, "torchrun"),
     "accelerate_FSDP-twin-bf16": Launch("accelerate_FSDP.py", "bf16", (("clip_grad_norm", 1.0),), 2, "torchrun",

@@ -119,7 +119,9 @@ def test_seed_preset_commands(tmp_path):
     proc = bench(tmp_path, "--preset", "seed", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ".py" in ln and "--run-name" in ln]
-    assert len(lines) == 18
+    assert len(lines) == 19
+    tp = next(ln for ln in lines if "pytorch_TP.py" in ln)  # tensor parallelism needs attention heads: a ViT
+    assert "--model vit_b_16" in tp and "torchrun --nproc_per_node 2" in tp
     fsdp1 = next(ln for ln in lines if "seed/fsdp_batch1" in ln)
     assert "torchrun --nproc_per_node 2" in fsdp1 and "--batch-size 2 " in fsdp1  # 1 image per process
     assert any("deepspeed --num_gpus 2" in ln and "pytorch_DeepSpeed.py" in ln for ln in lines)

@@ -132,3 +132,55 @@ def test_fsdp_on_vit_b_16_wraps_each_encoder_block(launched):
     units = 12 + 1  # a model-wide unit would be 3 calls a step
     assert float(row["comm_calls_per_step"]) == 3 * units, row["comm_calls_per_step"]
     load_bare(r.final(), "vit_b_16", image_size=32)
+
+
+def test_a_vit_is_split_between_its_encoder_blocks():
+    """Model and pipeline parallelism cut a non-ResNet model between its blocks (common/pipeline.py): two
+    balanced pieces of 6 EncoderBlocks, traced by torch.distributed.pipelining, with torchvision's names
+    and the model's own parameters, computing the model's function; BatchNorm models and models without
+    blocks are refused in one line."""
+    from common.config import UsageError
+    from common.pipeline import plan, split
+
+    torch.manual_seed(0)
+    model = torchvision.models.vit_b_16(num_classes=10, image_size=32)
+    assert plan(model, 2) == [6, 6] and plan(model, 3, "2,4,6") == [2, 4, 6]
+    x = torch.randn(4, 3, 32, 32)
+    first, second = split(model, plan(model, 2), x)
+    assert "encoder.layers.encoder_layer_5.mlp.0.weight" in first.state_dict()
+    assert "encoder.layers.encoder_layer_6.ln_1.weight" in second.state_dict()
+    assert {**first.state_dict(), **second.state_dict()}.keys() == model.state_dict().keys()
+    assert first.get_parameter("conv_proj.weight") is model.conv_proj.weight  # shared, not copied
+    assert torch.allclose(second(first(x)), model(x), atol=1e-5)
+    with pytest.raises(UsageError, match="has BatchNorm"):
+        effnet = torchvision.models.efficientnet_b0(num_classes=10)
+        split(effnet, plan(effnet, 2), x)
+    with pytest.raises(UsageError, match="VGG has none"):
+        plan(torchvision.models.vgg11(num_classes=10), 2)
+    with pytest.raises(UsageError, match="only 12 VisionTransformer blocks"):
+        plan(model, 13)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pytorch_PP-vit_b_16", "pytorch_MP-vit_b_16"])
+def test_pipeline_and_model_parallel_vit_train_like_one_process(launched, name):
+    """vit_b_16 at 32 px cut between EncoderBlocks 5 and 6: the pipeline on 2 ranks (GPipe, 4 micro-batches
+    of 4), and the two halves in one process, against pytorch_SingleGPU.py on the same 4 batches of 16: the
+    same weights within test_equivalence's tolerance (no BatchNorm: micro-batches compute the same
+    function). The pipeline sends the token activations at the cut forward and their gradient back:
+    batch x 5 tokens x 768 fp32, twice."""
+    from helpers import check_ok
+    from test_scripts import load_bare
+
+    one, r = launched("pytorch_SingleGPU-vit_b_16"), launched(name)
+    check_ok(one.proc), check_ok(r.proc)
+    row = r.row
+    assert row["status"] == "ok" and row["model"] == "vit_b_16" and int(row["test_samples"]) == 37
+    if name.startswith("pytorch_PP"):
+        # (within 0.1%: a few hundred bytes more over the profiled steps than the activations alone)
+        assert float(row["comm_bytes_per_step"]) == pytest.approx(2 * 16 * 5 * 768 * 4, rel=1e-3)
+    ref, sd = load_bare(one.final(), "vit_b_16", 32), load_bare(r.final(), "vit_b_16", 32)
+    diff = max((sd[k] - ref[k]).abs().max().item() for k in ref)
+    print(f"{name}: max |w - w_single| = {diff:.2e}")
+    assert diff < 1e-4
+    assert abs(float(row["train_loss"]) - float(one.row["train_loss"])) < 1e-4

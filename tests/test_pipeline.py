@@ -34,16 +34,18 @@ def test_pieces_are_the_model():
 
 
 @pytest.mark.parametrize("pieces, text, words", [
-    (5, "", "a ResNet has only 4 stages"), (2, "3,3", "summing to 4"), (2, "2,x", "as integers"),
+    (5, "", "has only 4 ResNet stages"), (2, "3,3", "summing to 4"), (2, "2,x", "as integers"),
 ])
 def test_bad_splits(pieces, text, words):
     with pytest.raises(UsageError, match=words):
         plan(resnet18(), pieces, text)
 
 
-def test_only_resnets_split():
-    with pytest.raises(UsageError, match="ResNet-family"):
-        plan(build_model(TrainConfig(model="mobilenet_v3_small", pretrained=False)), 2)
+def test_batchnorm_models_split_only_at_resnet_stages():
+    """Other families are traced (their blocks: test_blocks), which would fix BatchNorm's mode."""
+    model = build_model(TrainConfig(model="mobilenet_v3_small", pretrained=False, image_size=32))
+    with pytest.raises(UsageError, match="has BatchNorm"):
+        split(model, plan(model, 2), torch.zeros(2, 3, 32, 32))
 
 
 def test_bubble_is_the_idle_share():
@@ -79,7 +81,7 @@ def test_interleaved_pipeline_and_resume(tmp_path):
 REFUSALS = [
     ("pytorch_PP.py", {"microbatches": 3}, "does not split into 3 micro-batches"),
     ("pytorch_PP.py", {"split": "1,1"}, "summing to 4"),
-    ("pytorch_MP.py", {"model": "mobilenet_v3_small"}, "split ResNet-family models"),
+    ("pytorch_MP.py", {"model": "mobilenet_v3_small"}, "has BatchNorm: the traced split would fix"),
 ]
 
 

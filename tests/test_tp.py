@@ -118,3 +118,24 @@ def test_tp_trains_like_one_process(launched, name, world):
     assert diff < TOLERANCE
     assert abs(float(row["train_loss"]) - float(one.row["train_loss"])) < 1e-4
     assert math.isclose(float(row["test_accuracy"]), float(one.row["test_accuracy"]))
+
+
+def test_the_step_model_of_tensor_parallelism():
+    """A tp rank computes its share of the FLOPs (half of vit_b_16's, whose Linears are nearly all of them)
+    and waits on 4 activation all-reduces per block even where collectives overlap compute (each one's
+    result is the next op's input); the optimizer steps its shards. tp x FSDP over dp adds FSDP's
+    collectives, and the dp ranks split the batch."""
+    from common.measure.memory import Setup
+    from common.measure.timemodel import Compute, Link, predict_step
+
+    c, link = Compute(100.0, 200.0, 30.0), Link(busbw_gbps={"all_reduce": 1.0}, latency_us={"all_reduce": 100.0})
+    base = Setup(model="vit_b_16", image_size=32, batch_size=16)
+    one = predict_step(base, c, link, overlap=True)
+    tp = predict_step(Setup(**{**base.__dict__, "strategy": "tp", "world_size": 2, "tp": 2}), c, link, overlap=True)
+    assert tp.compute_ms == pytest.approx(0.5 * one.compute_ms, rel=0.02)
+    reduce_ms = 0.1 + 16 * 5 * 768 * 4 * 1.0 / 1e9 * 1e3  # latency + S x (2(n-1)/n = 1 at n=2) / busbw
+    assert tp.comm_exposed_ms == pytest.approx(4 * 12 * reduce_ms, rel=1e-6)
+    assert tp.optimizer_ms == pytest.approx(0.5 * c.opt_ms, rel=0.02)
+    both = predict_step(Setup(**{**base.__dict__, "strategy": "tp_fsdp", "world_size": 4, "tp": 2}), c, link,
+                        overlap=False)
+    assert both.comm_exposed_ms > tp.comm_exposed_ms and both.optimizer_ms == pytest.approx(tp.optimizer_ms / 2)

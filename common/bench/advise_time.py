@@ -76,9 +76,6 @@ def time_tables(opts, preds: dict) -> None:
         if st.endswith("_offload"):
             print(f"{st:<24}{mem.setup.world_size:>5}  (offload: host transfers and the CPU optimizer not modelled)")
             continue
-        if st in ("tp", "tp_fsdp"):
-            print(f"{st:<24}{mem.setup.world_size:>5}  (tensor parallelism: not in the step model)")
-            continue
         try:
             got = inputs(opts, mem.setup)
         except ValueError as exc:  # no datasheet figure for this math on that GPU

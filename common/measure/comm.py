@@ -370,17 +370,25 @@ def tp_expected_bytes(model: str, image_size: int, batch_size: int, world_size: 
     gradient of the fp32 LayerNorm output that autocast cast to half inside the linear. With
     data-parallel ranks left over (tp_fsdp), FSDP2 full-shard over them as above, fp32 (no
     MixedPrecisionPolicy), on each tp rank's local shards: 2 all-gathers per micro-batch, one reduce-scatter."""
-    from .memory import meta_model, model_facts
+    from .memory import model_facts
 
-    net = meta_model(model, image_size=image_size)
-    layers = [m for m in net.modules() if hasattr(m, "self_attention")]
-    hidden = layers[0].self_attention.embed_dim
-    tokens = (image_size // net.patch_size) ** 2 + 1  # the patches and the class token
+    blocks, tokens, hidden = tp_layout(model, image_size)
     dp = world_size // tp
     micro = batch_size // dp // grad_accum
     forward = 2 if precision.startswith("amp_") else 4
-    out = 2 * len(layers) * micro * tokens * hidden * (forward + 4) * grad_accum
+    out = 2 * blocks * micro * tokens * hidden * (forward + 4) * grad_accum
     if dp > 1:
         local = sum(math.prod(sh) for sh in model_facts(model, image_size, tp)[0])
         out += local * (2 * grad_accum + 1) * 4
     return float(out)
+
+
+def tp_layout(model: str, image_size: int) -> tuple[int, int, int]:
+    """(transformer blocks, tokens, hidden width) of a ViT at image_size: the all-reduced activation of
+    tensor parallelism is micro-batch x tokens x hidden."""
+    from .memory import meta_model
+
+    net = meta_model(model, image_size=image_size)
+    layers = [m for m in net.modules() if hasattr(m, "self_attention")]
+    tokens = (image_size // net.patch_size) ** 2 + 1  # the patches and the class token
+    return len(layers), tokens, layers[0].self_attention.embed_dim

@@ -25,6 +25,8 @@ order; a collective starts when its inputs are ready and the link is free:
                          (deepspeed/runtime/zero/stage_1_and_2.py)
   deepspeed_zero3        as fsdp_full-shard, units as above
   dp                     (one process, n GPUs) weights broadcast and gradients reduced, not overlapped
+  tp, tp_fsdp            the tp rank's share of the FLOPs, plus 4 activation all-reduces per block and
+                         micro-batch, exposed (the next op waits on each); tp_fsdp adds FSDP over dp
   pp_*                   GPipe and 1F1B: (m + s - 1) slots of the slowest stage's forward and backward
                          of one micro-batch (both schedules have the same bubble), plus each slot's
                          activation send and gradient receive; the optimizer of the largest stage.
@@ -110,14 +112,14 @@ class Unit:
 
 
 @functools.lru_cache(maxsize=16)
-def units(model_name: str, image_size: int) -> tuple[Unit, ...]:
+def units(model_name: str, image_size: int, tp: int = 1) -> tuple[Unit, ...]:
     """Forward-order units: stem, every block of models.blocks (the FSDP units), head; a model without
-    repeated blocks is one unit."""
+    repeated blocks is one unit. tp > 1: one tensor-parallel rank's model (memory.meta_model)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from ..models import blocks as model_blocks
 
-    model = meta_model(model_name, image_size=image_size)
+    model = meta_model(model_name, image_size=image_size, tp=tp)
     blocks = model_blocks(model)
     with torch.device("meta"), FlopCounterMode(display=False) as counter:
         model(torch.empty(2, 3, image_size, image_size))
@@ -135,6 +137,18 @@ def units(model_name: str, image_size: int) -> tuple[Unit, ...]:
     out = [Unit("stem", max(0.0, 1.0 - sum(shares.values()) - head_share), stem)]
     out += [Unit(n, shares[n], tuple(p.numel() for p in b.parameters())) for n, b in blocks]
     return tuple(out + [Unit("head", head_share, head)])
+
+
+@functools.lru_cache(maxsize=16)
+def forward_flops(model_name: str, image_size: int, tp: int = 1) -> int:
+    """FLOPs of one image's forward (torch.utils.flop_counter on the meta device); of one
+    tensor-parallel rank's share for tp > 1."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = meta_model(model_name, image_size=image_size, tp=tp)  # built outside the count: its size check runs it
+    with torch.device("meta"), FlopCounterMode(display=False) as counter:
+        model(torch.empty(1, 3, image_size, image_size))
+    return counter.get_total_flops()
 
 
 class _Schedule:
@@ -238,6 +252,8 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
             prev = (s.add("comm", link.ms("reduce_scatter", nbytes, n), (bwd[unit], *prev)),)
         shard = 1.0 / n
         post = link.ms("all_gather", numel * w_bytes, n)
+    elif st in ("tp", "tp_fsdp"):
+        return _tensor_parallel(p, setup, c, link, overlap)
     else:
         _forward_backward(s, us, c)
         p.notes.append(f"{st}: no communication model; compute and optimizer only")
@@ -280,6 +296,38 @@ def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_byte
     if len(us) > 1:
         b = s.add("compute", c.bwd_ms * us[0].share, last)
         s.add("comm", link.ms("reduce_scatter", root * g_bytes, n), (b,))
+
+
+def _tensor_parallel(p: StepPrediction, setup: Setup, c: Compute, link: Link, overlap: bool) -> StepPrediction:
+    """pytorch_TP.py: each rank computes its tp rank's model (its share of the FLOPs: heads/tp heads and
+    mlp/tp MLP units per block, the rest whole), and every block all-reduces micro-batch x tokens x hidden
+    twice in forward and twice in backward over the tp ranks (comm.tp_expected_bytes). Those wait on the
+    compute before them and the compute after waits on them (Megatron's f and g sit on the critical
+    path): exposed on every device. tp_fsdp adds FSDP2 full-shard over the dp ranks of the rank's
+    shards, scheduled as fsdp_full-shard. The optimizer steps the rank's shards."""
+    from .comm import tp_layout
+
+    tp, dp, accum = setup.tp, setup.dp, setup.grad_accum
+    share = forward_flops(setup.model, setup.image_size, tp) / forward_flops(setup.model, setup.image_size)
+    local = Compute(c.fwd_ms * share, c.bwd_ms * share, c.opt_ms, c.data_ms, c.source)
+    blocks, tokens, hidden = tp_layout(setup.model, setup.image_size)
+    act = setup.micro_batch * tokens * hidden
+    forward = ITEMSIZE.get(setup.precision, 4)  # autocast: the forward all-reduces carry half outputs
+    reduces = blocks * 2 * (link.ms("all_reduce", act * forward, tp) + link.ms("all_reduce", act * 4, tp)) * accum
+    compute = (local.fwd_ms + local.bwd_ms) * accum
+    s = _Schedule(overlap)
+    lus = units(setup.model, setup.image_size, tp)
+    for _ in range(accum - 1 if dp > 1 else accum):
+        _forward_backward(s, lus, local)
+    if dp > 1:
+        _fsdp(s, lus, local, link, dp, 4, 4, True)
+    full = sum(sum(u.params) for u in units(setup.model, setup.image_size))
+    mine = sum(sum(u.params) for u in lus)
+    p.compute_ms = compute
+    p.comm_exposed_ms = max(0.0, s.length - compute) + reduces
+    p.comm_ms = s.comm + reduces
+    p.optimizer_ms = c.opt_ms * mine / full / dp
+    return p
 
 
 def _pipeline(p: StepPrediction, us, c: Compute, link: Link, overlap: bool, n: int, m: int, stages: list[int],

@@ -37,8 +37,6 @@ class TimePrediction(Instrument):
             return None, "no step model for this script"
         if s.strategy.endswith("_offload"):
             return None, "offload is not in the step model (host transfers, CPU optimizer)"
-        if s.strategy in ("tp", "tp_fsdp"):
-            return None, "tensor parallelism is not in the step model (its activation all-reduces)"
         path = getattr(cfg, "calibration", "") or DEFAULT
         data = load(path)
         from .fingerprint import device_name
@@ -67,10 +65,14 @@ class TimePrediction(Instrument):
         compute = Compute(c["fwd_ms"], c["bwd_ms"], c["opt_ms"], data_ms, why)
         stages = pieces = None
         if pp:
+            from ..models import stages as resnet_stages
             from ..pipeline import plan
             from .memory import meta_model
 
-            stages = plan(meta_model(s.model, image_size=s.image_size), s.world_size, cfg.split)
+            model = meta_model(s.model, image_size=s.image_size)
+            if not resnet_stages(model):
+                return None, "the step model splits a pipeline at ResNet stages only (not at blocks)"
+            stages = plan(model, s.world_size, cfg.split)
             pieces = find_pieces(data, device_name(self.device), s.model, s.image_size, micro, mode, rest[2])
         return predict_step(s, compute, link, overlap=cuda, strategy=self.strategy,
                             microbatches=getattr(cfg, "microbatches", 1), stages=stages, pieces=pieces), None
