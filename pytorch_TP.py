@@ -1,7 +1,7 @@
 """Tensor parallelism (torch.distributed.tensor.parallel), Megatron-style, on a vision transformer; the
 ranks left over train as FSDP2 data parallelism on a 2-D (dp x tp) device mesh, as torchtitan does.
 
-    torchrun --nproc_per_node 4 pytorch_TP.py --model vit_b_16 --tp 4         # every GPU splits every block
+    torchrun --nproc_per_node 4 pytorch_TP.py --model vit_b_16                # tp 4: every GPU splits every block
     torchrun --nproc_per_node 8 pytorch_TP.py --model vit_b_16 --tp 2         # tp 2 x FSDP over dp 4
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST0:29500 \\
         pytorch_TP.py --model vit_l_16 --tp 8                                # tp inside a node, FSDP across
@@ -16,6 +16,7 @@ the mesh's inner dimension (one node's fast links); the tp ranks of one dp group
 Only models with nn.MultiheadAttention blocks split (torchvision's ViTs): the config's ResNet50 is refused.
 Final weights are gathered to rank 0 and saved with torchvision's keys (q, k, v packed into in_proj).
 """
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -48,13 +49,13 @@ from common import (
 )
 from common.distributed import fsdp_no_sync
 from common.models import blocks
-from common.tensor_parallel import check_degree, merge_attention, plan, split_attention
+from common.tensor_parallel import check_degree, heads, merge_attention, param_groups, plan, split_attention
 
 
 @dataclass
 class TPConfig(DistributedConfig):
-    tp: int = opt(2, "tensor-parallel degree: ranks that split every block; the world size over it is the "
-                  "FSDP data-parallel degree", min=1)
+    tp: int = opt(0, "tensor-parallel degree: ranks that split every block; the world size over it is the "
+                  "FSDP data-parallel degree; 0 = the largest that divides both the processes and the heads", min=0)
 
     # one loss on tp ranks, DTensor and plain gradients mixed: a norm over them is not offered
     OMIT = ("compile", "clip_grad_norm", "grad_checkpointing")
@@ -65,22 +66,23 @@ def main(cfg):
     world_size, device = info.world_size, info.device
     configure_backends(cfg, device)
     check_dtype_support(cfg.precision, device, cfg)
+    model = split_attention(build_model(cfg)).to(device)  # same weights, q/k/v apart; every rank builds all of it
+    cfg.tp = cfg.tp or math.gcd(world_size, heads(model))  # 0: e.g. 4 on 8 GPUs for 12 heads, 1 on one
     if world_size % cfg.tp:
         raise UsageError(f"--tp {cfg.tp} does not divide the {world_size} processes")
+    check_degree(model, cfg.tp)
     dp = world_size // cfg.tp
     mesh = init_device_mesh(device.type, (dp, cfg.tp), mesh_dim_names=("dp", "tp"))
     # the tp ranks of a dp group see the same images: loaders by dp rank
     train_loader, test_loader = build_loaders(cfg, mesh.get_local_rank("dp"), dp, device)
 
-    model = split_attention(build_model(cfg)).to(device)  # same weights, q/k/v apart; every rank builds all of it
-    check_degree(model, cfg.tp)
     for _, block in blocks(model):  # each EncoderBlock: heads and MLP units split over the tp ranks
         parallelize_module(block, mesh["tp"], plan())
     if dp > 1:
         for _, block in blocks(model):  # 2-D: the tp shards themselves sharded over dp
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
-    optimizer = build_optimizer(cfg, model.parameters())
+    optimizer = build_optimizer(cfg, param_groups(model))  # split and replicated apart: see param_groups
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
     dtype = DTYPES[cfg.precision]
     # bf16 by autocast, as torchtitan without FSDP: the per-op casts happen on the DTensors (fp32 weights,

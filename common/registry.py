@@ -13,8 +13,8 @@ Fields:
   needs_cuda   True when it cannot run on CPU at all (it refuses in one line there)
   one_process_gpus  True when one process drives every visible GPU (DataParallel): world_size is
                the GPUs it used, and benchmark.py starts it with plain python
-  max_processes  the most processes it can use (a pipeline: one per ResNet stage); benchmark.py
-               starts no more than that
+  max_processes  the most processes benchmark.py starts for it (a pipeline: 4, one per ResNet stage;
+               pytorch_PP.py itself cuts other families between their blocks, up to one per block)
   preset_args / cpu_preset_args  flags every preset adds for this script (all hardware / CPU only)
   label        prefix of the CSV's `precision` for a run that is not fp32: how the half precision is
                applied (amp_ autocast, pure_ the whole model cast, mp_ FSDP's MixedPrecisionPolicy,

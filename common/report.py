@@ -220,7 +220,13 @@ def _memory_setup(r):
                  world_size=int(r.world_size), precision=precision if precision in ("fp16", "bf16") else "fp32",
                  optimizer=r.optimizer or "sgd", strategy=strategy, grad_accum=int(float(r.grad_accum or 1)),
                  grad_checkpointing=str(r.grad_checkpointing) == "True", bn_fp32="bn32" in suffixes,
-                 zero={"reduce_bucket_size": 50_000_000, "overlap_comm": True, "contiguous_gradients": True})
+                 zero={"reduce_bucket_size": 50_000_000, "overlap_comm": True, "contiguous_gradients": True},
+                 tp=_tp_size(r))
+
+
+def _tp_size(r) -> int:
+    tp = pd.to_numeric(r.get("tp_size"), errors="coerce")
+    return 1 if pd.isna(tp) else int(tp)
 
 
 def _predicted_parts(r) -> dict | None:
@@ -415,10 +421,11 @@ def _comm(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     for _, r in ok.iterrows():
         accum = pd.to_numeric(r.get("grad_accum"), errors="coerce")
         accum = 1 if pd.isna(accum) else int(accum)
-        want = expected_bytes(r.strategy, r.precision, params, accum) if params else None
-        if str(r.strategy).startswith("tp") and not pd.isna(pd.to_numeric(r.get("tp_size"), errors="coerce")):
+        own = params if r.model == ok.iloc[0].model else parameter_count(r.model)  # a TP row's ViT beside ResNets
+        want = expected_bytes(r.strategy, r.precision, own, accum) if own else None
+        if str(r.strategy).startswith("tp") and _tp_size(r) > 0:
             want = tp_expected_bytes(r.model, int(r.image_size), int(r.global_batch_size), int(r.world_size),
-                                     int(r.tp_size), accum, r.precision)  # activations: from the row's shapes
+                                     _tp_size(r), accum, r.precision)  # activations: from the row's shapes
         got = r.comm_bytes_per_step
         ratio = f"{got / want:.3f}" if want and not math.isnan(got) else "–"
         table.append([r.label, r.strategy, r.precision, _fmt(r.world_size, 0), _fmt(got / 1e6, 1),

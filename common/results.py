@@ -55,8 +55,8 @@ COLUMNS = CONTRACT + [
     "error",
 ]
 _PRED_PARTS = [f"pred_{c}_gib" for c in ("params", "grads", "optimizer", "master", "comm")]
-HISTORY.append([c for c in COLUMNS if c != "notes" and c not in _PRED_PARTS])  # 0.3.0
-HISTORY.append([c for c in COLUMNS if c not in _PRED_PARTS])  # a development header with notes alone
+HISTORY.append([c for c in COLUMNS if c not in ("notes", "tp_size") and c not in _PRED_PARTS])  # 0.3.0
+HISTORY.append([c for c in COLUMNS if c != "tp_size" and c not in _PRED_PARTS])  # a development header, notes alone
 _TIME = ["step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms",
          "step_other_ms", "pred_step_ms", "pred_img_s", "pred_time_error_pct"]
 HISTORY.append([c for c in COLUMNS if c not in _TIME and c != "tp_size"])  # 0.4.0: before the time columns

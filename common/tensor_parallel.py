@@ -106,21 +106,39 @@ def merge_attention(state_dict: dict) -> dict:
     return out
 
 
+def param_groups(model: nn.Module) -> list[dict]:
+    """The DTensor parameters (split over the tp ranks) and the plain ones (replicated), as two optimizer
+    groups: the foreach step CUDA optimizers take by default (torch/optim/optimizer.py
+    _default_to_fused_or_foreach) runs one list per group, and DTensor refuses a list that mixes both
+    (torch/distributed/tensor/_dispatch.py: "got mixed torch.Tensor and DTensor")."""
+    from torch.distributed.tensor import DTensor
+
+    split = [p for p in model.parameters() if isinstance(p, DTensor)]
+    plain = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    return [{"params": ps} for ps in (split, plain) if ps]
+
+
+def heads(model: nn.Module) -> int:
+    """Attention heads per block (torchvision's attention or already split)."""
+    for block in model.modules():
+        att = getattr(block, "self_attention", None)
+        if isinstance(att, SplitAttention):
+            return att.q.out_features // att.head_dim
+        if isinstance(att, nn.MultiheadAttention):
+            return att.num_heads
+    return 0
+
+
 def check_degree(model: nn.Module, tp: int) -> None:
     """tp must divide every block's heads and MLP width (each rank takes whole heads); the model's
     attention either torchvision's or already split."""
     for block in model.modules():
-        att = getattr(block, "self_attention", None)
-        if isinstance(att, SplitAttention):
-            heads = att.q.out_features // att.head_dim
-        elif isinstance(att, nn.MultiheadAttention):
-            heads = att.num_heads
-        else:
+        if getattr(block, "self_attention", None) is None:
             continue
-        mlp = block.mlp[0].out_features
-        if heads % tp or mlp % tp:
-            raise UsageError(f"--tp {tp} does not divide the model's {heads} attention heads and MLP width {mlp}; "
-                             f"use a divisor of {heads}")
+        n, mlp = heads(block), block.mlp[0].out_features
+        if n % tp or mlp % tp:
+            raise UsageError(f"--tp {tp} does not divide the model's {n} attention heads and MLP width {mlp}; "
+                             f"use a divisor of {n}")
 
 
 def plan() -> dict:

@@ -49,6 +49,8 @@ HALF_MODEL = "shufflenet_v2_x0_5"
 # the vision transformer of the TP runs: at 32 px (16 where half kernels are emulated: helpers.half_size) 4
 # patches, 86M parameters; TINY's 4 steps of 16
 VIT = {"model": "vit_b_16"}
+# ... in half precision 4 steps of 4: where the half kernels are emulated, a step of 16 would take seconds
+VIT_HALF = {"batch_size": 4, "train_samples": 16}
 # flags some cases add, so that the option's path runs somewhere
 EXTRA = {("pytorch_auto_mixed_precision.py", "fp16"): {"clip_grad_norm": 1.0},
          ("pytorch_half_precision.py", "bf16"): {"bn_fp32": True, "loss_scale": 128}}
@@ -88,7 +90,7 @@ def script_case(file: str, precision: str) -> Launch:
     fp32 = precision == "fp32"
     over = {**({**EQUAL, **AT_3} if fp32 else {"model": HALF_MODEL}), **EXTRA.get((file, precision), {})}
     if "model" in s.preset_args:  # a script for one family (pytorch_TP.py: a ViT, heads split over 2 ranks)
-        over = {**(EQUAL if fp32 else {}), **VIT}
+        over = {**(EQUAL if fp32 else VIT_HALF), **VIT}
     if file in DS_CASES:
         over["deepspeed_config"] = DS_CASES[file][precision]
     twin = ("tests/twins/deepspeed_fp16_on_cpu.py", file) if s.deepspeed_config and precision == "fp16" \
@@ -117,8 +119,8 @@ CASES.update({
                                                                         .items())), 2, "torchrun"),
     "pytorch_MP-vit_b_16": Launch("pytorch_MP.py", "fp32", tuple(sorted({**EQUAL, **VIT, "epoch_checkpoints": False}
                                                                         .items()))),
-    "pytorch_TP-fp32-dp2": Launch("pytorch_TP.py", "fp32", tuple(sorted({**EQUAL, **VIT, "epoch_checkpoints": False}
-                                                                        .items())), 4, "torchrun"),
+    "pytorch_TP-fp32-dp2": Launch("pytorch_TP.py", "fp32", tuple(sorted({**EQUAL, **VIT, "epoch_checkpoints": False,
+                                                                         "tp": 2}.items())), 4, "torchrun"),
     "accelerate_FSDP-twin-bf16": Launch("accelerate_FSDP.py", "bf16", (("clip_grad_norm", 1.0),), 2, "torchrun",
                                         twin=("tests/twins/accelerate_fsdp_on_cpu.py",)),
 })

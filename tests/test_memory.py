@@ -50,8 +50,8 @@ def check_model_state(row: dict) -> None:
 # one run each at 3 ranks, beside test_scripts.py's (check_row): its fp32 runs of DDP, DDP+ZeRO, FSDP full
 # shard, DeepSpeed ZeRO-3 and accelerate DDP are at 3 ranks (tests/launches.py), its half-precision runs at 2
 # (ZeRO-1 through pytorch_DeepSpeed.py fp16 and accelerate_DeepSpeed.py bf16, ZeRO-2 through accelerate's
-# fp16). ZeRO-1 and ZeRO-2 share DeepSpeed's partition (stage_1_and_2.py): the ZeRO-2 case here checks it at 3
-# ranks for both
+# fp16). ZeRO-1 and ZeRO-2 share DeepSpeed's flat partition (stage_1_and_2.py): the ZeRO-2 case here checks its
+# padding at 3 ranks; ZeRO-1's gradients (whole, not partitioned) are checked at 2 ranks only
 CASES = [
     ("pytorch_DDP_ZeRO.py", "torchrun", {"optimizer": "adamw"}),
     ("pytorch_FSDP.py", "torchrun", {"sharding": "shard-grad-op", "optimizer": "adamw"}),

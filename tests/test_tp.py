@@ -114,7 +114,8 @@ def test_tp_trains_like_one_process(launched, name, world):
     diff = max((sd[k] - ref[k]).abs().max().item() for k in ref)
     init = vit().state_dict()["heads.head.weight"]
     assert (ref["heads.head.weight"] - init).abs().max() > 100 * TOLERANCE  # training moved the weights
-    print(f"{name}: max |w - w_single| = {diff:.2e}")
+    print(f"{name}: max |w - w_single| = {diff:.2e}, bytes/step {row['comm_bytes_per_step']} (expected {want:.0f}), "
+          f"model state {row['model_state_gib']} GiB (predicted {row['pred_model_state_gib']})")
     assert diff < TOLERANCE
     assert abs(float(row["train_loss"]) - float(one.row["train_loss"])) < 1e-4
     assert math.isclose(float(row["test_accuracy"]), float(one.row["test_accuracy"]))
@@ -139,3 +140,32 @@ def test_the_step_model_of_tensor_parallelism():
     both = predict_step(Setup(**{**base.__dict__, "strategy": "tp_fsdp", "world_size": 4, "tp": 2}), c, link,
                         overlap=False)
     assert both.comm_exposed_ms > tp.comm_exposed_ms and both.optimizer_ms == pytest.approx(tp.optimizer_ms / 2)
+
+
+def test_split_and_replicated_parameters_step_in_separate_groups():
+    """The CPU twin of a CUDA-only failure: CUDA optimizers default to the foreach step, which DTensor
+    refuses on a list mixing split (DTensor) and replicated (plain) parameters; foreach=True forces that
+    step here. pytorch_TP.py's param_groups keeps them apart (one foreach list per group)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from common.tensor_parallel import param_groups
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
+        parallelize_module(model, init_device_mesh("cpu", (1,)), {"1": ColwiseParallel()})
+
+        def step(params):
+            opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True)
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+
+        with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+            step(model.parameters())
+        step(param_groups(model))
+    finally:
+        dist.destroy_process_group()

@@ -108,14 +108,15 @@ def setups(opts) -> list[Setup]:
 
 def _tp_setups(base: Setup, strategy: str, opts) -> list[Setup]:
     """pytorch_TP.py's layouts for a model it splits (a ViT): tp over every GPU; and --tp with FSDP over the
-    GPUs left (the 2-D mesh) when there are some. None where tp does not divide the heads, and for fp16
-    (pytorch_TP.py trains in fp32 or bf16 autocast)."""
+    GPUs left (the 2-D mesh) when there are some. None where tp does not divide the heads, for fp16
+    (pytorch_TP.py trains in fp32 or bf16 autocast) and with --grad-checkpointing (pytorch_TP.py has none)."""
     from ..measure.memory import meta_model
     from ..tensor_parallel import check_degree, tp_able
 
     tp = opts.gpus if strategy == "tp" else opts.tp
-    if opts.precision == "fp16" or opts.gpus < 2 or tp < 2 or opts.gpus % tp or (strategy == "tp_fsdp" and
-                                                                                  opts.gpus == tp):
+    if opts.precision == "fp16" or opts.grad_checkpointing or opts.gpus < 2 or tp < 2 or opts.gpus % tp:
+        return []
+    if strategy == "tp_fsdp" and opts.gpus == tp:  # no dp ranks left: that is the tp row
         return []
     model = meta_model(opts.model, image_size=opts.image_size)
     if not tp_able(model):

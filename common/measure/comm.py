@@ -369,7 +369,8 @@ def tp_expected_bytes(model: str, image_size: int, batch_size: int, world_size: 
     (amp_bf16) the forward ones are the half outputs of the linears; the backward ones are fp32, the
     gradient of the fp32 LayerNorm output that autocast cast to half inside the linear. With
     data-parallel ranks left over (tp_fsdp), FSDP2 full-shard over them as above, fp32 (no
-    MixedPrecisionPolicy), on each tp rank's local shards: 2 all-gathers per micro-batch, one reduce-scatter."""
+    MixedPrecisionPolicy), on each tp rank's local shards: 2 all-gathers per micro-batch (the root's once),
+    one reduce-scatter."""
     from .memory import model_facts
 
     blocks, tokens, hidden = tp_layout(model, image_size)
@@ -378,8 +379,12 @@ def tp_expected_bytes(model: str, image_size: int, batch_size: int, world_size: 
     forward = 2 if precision.startswith("amp_") else 4
     out = 2 * blocks * micro * tokens * hidden * (forward + 4) * grad_accum
     if dp > 1:
-        local = sum(math.prod(sh) for sh in model_facts(model, image_size, tp)[0])
-        out += local * (2 * grad_accum + 1) * 4
+        shapes, units, _ = model_facts(model, image_size, tp)
+        local, root = sum(math.prod(sh) for sh in shapes), sum(math.prod(sh) for sh in units[-1])
+        # the root unit (patch embedding, tokens, head) stays gathered from forward to backward: pytorch_TP.py
+        # leaves reshard_after_forward unset, which FSDP2 resolves to False for the root
+        # (torch/distributed/fsdp/_fully_shard/_fsdp_state.py _lazy_init)
+        out += (local * (2 * grad_accum + 1) - root * grad_accum) * 4
     return float(out)
 
 

@@ -40,7 +40,11 @@ def probe_loader(loader, cfg, hooks) -> float | None:
     elapsed = time.perf_counter() - start
     set_rng_state(state, loader)
     rate = images / elapsed if elapsed > 0 else None
-    if per_batch * world_size() <= cfg.batch_size:  # each rank its share (a last short batch too)
+    copies = per_batch * world_size() / cfg.batch_size  # ranks that load each image
+    if copies <= 1:  # each rank its share (a last short batch too)
         return reduce_metrics({"r": rate}, hooks.device, "sum")["r"]
+    if copies < world_size():  # tensor parallelism over dp groups: the tp ranks of a group load the same images
+        total = reduce_metrics({"r": rate}, hooks.device, "sum")["r"]
+        return None if total is None else total / copies
     slowest = reduce_metrics({"r": None if rate is None else -rate}, hooks.device, "max")["r"]  # the min
     return None if slowest is None else -slowest

@@ -416,8 +416,9 @@ def predict(s: Setup) -> Prediction:
         numel, count = _zero1_max_rank(shapes, w)
         p.optimizer = 4 * slots * numel + _step_bytes(s, count)
     if strat.startswith("fsdp") or strat == "tp_fsdp":
-        # tp_fsdp: FSDP2 over the dp ranks of each tensor-parallel rank's local shards (pytorch_TP.py)
-        p = _fsdp(s, p, units, tensors, slots, half)
+        # tp_fsdp: FSDP2 over the dp ranks of each tensor-parallel rank's local shards (pytorch_TP.py), without
+        # a MixedPrecisionPolicy (bf16 is autocast there): units gathered and reduced in fp32
+        p = _fsdp(s, p, units, tensors, slots, 4 if strat == "tp_fsdp" else half)
     if strat.startswith("deepspeed"):
         p = _deepspeed(s, p, units, shapes, n, slots, half)
     return p
