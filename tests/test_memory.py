@@ -270,3 +270,20 @@ def test_the_readme_sharding_table_is_the_memory_model():
     preds = {s: predict(Setup(**base, strategy=s)) for s in STRATEGIES if not s.startswith("accelerate_")}
     opts = type("Opts", (), {"gpu_memory_gib": 80.0, "gpus": 8, "grad_checkpointing": False, "precision": "bf16"})
     assert recommend(preds, opts).startswith("ddp_zero:") and "DDP+ZeRO" in table
+
+
+def test_advise_when_nothing_fits_suggests_only_what_was_not_tried():
+    from argparse import Namespace
+
+    from common.bench.advise import recommend, setups
+
+    for precision, grad_checkpointing, want, not_want in [
+        ("fp32", False, ("--grad-checkpointing", "mixed precision"), ()),
+        ("bf16", False, ("--grad-checkpointing",), ("mixed precision",)),
+        ("bf16", True, (), ("--grad-checkpointing", "mixed precision")),
+    ]:
+        opts = Namespace(model="resnet18", image_size=32, batch_size=64, gpus=2, precision=precision, optimizer="sgd",
+                         grad_checkpointing=grad_checkpointing, tp=2, gpu_memory_gib=0.001)
+        text = recommend({s.strategy: predict(s) for s in setups(opts)}, opts)
+        assert text.startswith("nothing fits") and "more GPUs" in text
+        assert all(w in text for w in want) and not any(w in text for w in not_want), text

@@ -134,9 +134,10 @@ def recommend(preds: dict, opts) -> str:
     ddp = preds["ddp"]
     act_share = ddp.activations / max(ddp.peak, 1)
     if not fits:
-        hint = "" if opts.grad_checkpointing else " --grad-checkpointing,"
-        return (f"nothing fits in {HEADROOM:.0%} of {g:g} GiB: lower the batch, or try{hint} mixed precision "
-                f"(--precision bf16/fp16) or more GPUs; smallest predicted peak: "
+        tries = [t for t, off in ((" --grad-checkpointing", opts.grad_checkpointing),
+                                  (" mixed precision (--precision bf16/fp16)", opts.precision != "fp32")) if not off]
+        return (f"nothing fits in {HEADROOM:.0%} of {g:g} GiB: lower the batch, or try{','.join(tries)} or more GPUs; "
+                f"smallest predicted peak: "
                 f"{min(preds, key=lambda s: preds[s].peak)} at {min(p.peak for p in preds.values()) / GIB:.2f} GiB")
     best = fits[0]
     p = preds[best]
