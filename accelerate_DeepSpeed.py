@@ -76,7 +76,8 @@ def main(cfg):
 
     hooks = TrainHooks(acc.backward, acc.step, device, ctx=ctx, input_dtype=dtype,
                        evaluate=make_gather_eval(accelerator, world_size), optimizer=optimizer,
-                       skipped_steps=lambda: model.skipped_steps, precision=precision)  # any non-finite step
+                       skipped_steps=lambda: model.skipped_steps, precision=precision,  # any non-finite step
+                       step_inside_backward=model)  # accelerator.backward steps the engine: timed as the optimizer
     metrics = fit(cfg, model, train_loader, test_loader, hooks,
                   AccelerateCheckpointer(cfg, __file__, model, optimizer, scheduler, None, train_loader,
                                          accelerator=accelerator))

@@ -82,6 +82,10 @@ class TrainHooks:
     # accelerate's mixed_precision (set by `accelerate launch --mixed_precision` or its config),
     # DeepSpeed's JSON. Every instrument and the memory prediction read it.
     precision: str | None = None
+    # an object whose step() the backward calls (accelerate's DeepSpeedEngineWrapper.backward runs
+    # engine.step() after engine.backward(): accelerate/utils/deepspeed.py): its step is timed as the
+    # optimizer phase, not as compute
+    step_inside_backward: Any = None
 
 
 @dataclass
@@ -362,6 +366,21 @@ def progress(cfg: TrainConfig, window: TimedWindow, epoch: int, epoch_steps: int
     print(f"[progress] epoch={epoch + 1}/{cfg.epochs} step={epoch_steps}/{spe} loss={shown}{rate}", flush=True)
 
 
+def _time_as_optimizer(owner, window: TimedWindow) -> None:
+    """owner.step() is called inside the backward hook: the time before it stays compute, its own time
+    is the optimizer phase (a mark, and its range while the communication profiler records)."""
+    inner = owner.step
+
+    def step(*args, **kwargs):
+        window.mark("compute")
+        with window.phase("optimizer"):
+            out = inner(*args, **kwargs)
+        window.mark("optimizer")
+        return out
+
+    owner.step = step
+
+
 def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: TrainHooks,
         checkpointer=None) -> Metrics:
     """Trains cfg.epochs epochs, then evaluates once. With a checkpointer, training state is saved
@@ -375,6 +394,8 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: Tr
     opens_at = cfg.timing_warmup_steps if cfg.timing_warmup_steps < spe * cfg.epochs else 0
     window = TimedWindow(opens_at, device, build_instruments(cfg, model, hooks, m, loader_img_s),
                          *(saved["window_time"], saved["window_steps"]) if saved else (), total_steps=spe * cfg.epochs)
+    if hooks.step_inside_backward is not None:
+        _time_as_optimizer(hooks.step_inside_backward, window)
     streak = torch.zeros((), dtype=torch.int32, device=device)
     for epoch in range(saved["epoch"] if saved else 0, cfg.epochs):
         set_epoch(train_loader, epoch)

@@ -49,6 +49,11 @@ HALF_MODEL = "shufflenet_v2_x0_5"
 # the vision transformer of the TP runs: at 32 px (16 where half kernels are emulated: helpers.half_size) 4
 # patches, 86M parameters; TINY's 4 steps of 16
 VIT = {"model": "vit_b_16"}
+# ... compared with one process in 2 steps of 16 (a tp 2 x dp 2 step of its 86M parameters on 4 processes
+# over 2 cores takes ~5 s)
+VIT_STEPS = {"train_samples": 32}
+VIT_EQUAL = {**EQUAL, **VIT, **VIT_STEPS}
+VIT_SPLIT = {**VIT_EQUAL, "epoch_checkpoints": False}  # 86M parameters: no epoch checkpoint of a split model
 # ... in half precision 4 steps of 4: where the half kernels are emulated, a step of 16 would take seconds
 VIT_HALF = {"batch_size": 4, "train_samples": 16}
 # flags some cases add, so that the option's path runs somewhere
@@ -90,7 +95,7 @@ def script_case(file: str, precision: str) -> Launch:
     fp32 = precision == "fp32"
     over = {**({**EQUAL, **AT_3} if fp32 else {"model": HALF_MODEL}), **EXTRA.get((file, precision), {})}
     if "model" in s.preset_args:  # a script for one family (pytorch_TP.py: a ViT, heads split over 2 ranks)
-        over = {**(EQUAL if fp32 else VIT_HALF), **VIT}
+        over = {**({**EQUAL, **VIT_STEPS} if fp32 else VIT_HALF), **VIT}
     if file in DS_CASES:
         over["deepspeed_config"] = DS_CASES[file][precision]
     twin = ("tests/twins/deepspeed_fp16_on_cpu.py", file) if s.deepspeed_config and precision == "fp16" \
@@ -113,14 +118,12 @@ CASES.update({
         ("epoch_checkpoints", False), ("image_size", 32), ("loader_probe_batches", 0), ("model", "vit_b_16"),
         ("train_samples", 32)), 2, "torchrun"),
     # test_tp: the same steps in one process, and tp 2 x FSDP over dp 2 on 4 ranks
-    "pytorch_SingleGPU-vit_b_16": Launch("pytorch_SingleGPU.py", "fp32", tuple(sorted({**EQUAL, **VIT}.items()))),
+    "pytorch_SingleGPU-vit_b_16": Launch("pytorch_SingleGPU.py", "fp32", tuple(sorted(VIT_EQUAL.items()))),
     # test_blocks: vit_b_16 cut between its EncoderBlocks (2 pipeline ranks; the two halves in one process)
-    "pytorch_PP-vit_b_16": Launch("pytorch_PP.py", "fp32", tuple(sorted({**EQUAL, **VIT, "epoch_checkpoints": False}
-                                                                        .items())), 2, "torchrun"),
-    "pytorch_MP-vit_b_16": Launch("pytorch_MP.py", "fp32", tuple(sorted({**EQUAL, **VIT, "epoch_checkpoints": False}
-                                                                        .items()))),
-    "pytorch_TP-fp32-dp2": Launch("pytorch_TP.py", "fp32", tuple(sorted({**EQUAL, **VIT, "epoch_checkpoints": False,
-                                                                         "tp": 2}.items())), 4, "torchrun"),
+    "pytorch_PP-vit_b_16": Launch("pytorch_PP.py", "fp32", tuple(sorted(VIT_SPLIT.items())), 2, "torchrun"),
+    "pytorch_MP-vit_b_16": Launch("pytorch_MP.py", "fp32", tuple(sorted(VIT_SPLIT.items()))),
+    "pytorch_TP-fp32-dp2": Launch("pytorch_TP.py", "fp32", tuple(sorted({**VIT_SPLIT, "tp": 2}.items())), 4,
+                                  "torchrun"),
     "accelerate_FSDP-twin-bf16": Launch("accelerate_FSDP.py", "bf16", (("clip_grad_norm", 1.0),), 2, "torchrun",
                                         twin=("tests/twins/accelerate_fsdp_on_cpu.py",)),
 })

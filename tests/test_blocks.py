@@ -165,7 +165,7 @@ def test_a_vit_is_split_between_its_encoder_blocks():
 @pytest.mark.parametrize("name", ["pytorch_PP-vit_b_16", "pytorch_MP-vit_b_16"])
 def test_pipeline_and_model_parallel_vit_train_like_one_process(launched, name):
     """vit_b_16 at 32 px cut between EncoderBlocks 5 and 6: the pipeline on 2 ranks (GPipe, 4 micro-batches
-    of 4), and the two halves in one process, against pytorch_SingleGPU.py on the same 4 batches of 16: the
+    of 4), and the two halves in one process, against pytorch_SingleGPU.py on the same 2 batches of 16: the
     same weights within test_equivalence's tolerance (no BatchNorm: micro-batches compute the same
     function). The pipeline sends the token activations at the cut forward and their gradient back:
     batch x 5 tokens x 768 fp32, twice."""

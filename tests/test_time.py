@@ -71,6 +71,37 @@ def test_components_tile_the_window_and_a_slower_optimizer_moves_its_own(monkeyp
     assert abs(slow["step_compute_ms"] - fast["step_compute_ms"]) < moved / 2
 
 
+def test_a_step_run_inside_backward_is_timed_as_the_optimizer(monkeypatch):
+    """accelerate's DeepSpeedEngineWrapper.backward calls engine.step() (accelerate/utils/deepspeed.py):
+    with step_inside_backward the engine's 60 ms step is the optimizer phase's, not compute's."""
+    parts = []
+    monkeypatch.setattr("common.train.build_instruments",
+                        lambda cfg, model, hooks, m, *_: parts or parts.extend([StepParts(hooks.device)]) or parts)
+    cfg = TrainConfig(epochs=1, timing_warmup_steps=1, log_every=0, batch_size=4, loader_probe_batches=0)
+    model = TinyNet()
+
+    class Engine:
+        def step(self):
+            time.sleep(0.060)
+
+    def run(inside: bool) -> dict:
+        engine = Engine()
+
+        def backward(loss):
+            loss.backward()
+            engine.step()
+
+        hooks = TrainHooks(backward, lambda: None, torch.device("cpu"), evaluate=lambda *a, **k: (0.5, 10),
+                           step_inside_backward=engine if inside else None)
+        parts.clear()
+        return fit(cfg, model, SlowBatches(4, 0.0), None, hooks).extra
+
+    got, unmarked = run(True), run(False)
+    assert got["step_optimizer_ms"] == pytest.approx(60.0, abs=15.0) and got["step_compute_ms"] < 30.0
+    assert unmarked["step_optimizer_ms"] < 5.0  # without it the step hides in compute
+    assert sum(got[c] for c in PARTS) == pytest.approx(got["step_ms_mean"], abs=0.01)
+
+
 class FakeComm:
     def __init__(self, exposed):
         self.exposed = exposed
@@ -91,6 +122,15 @@ def test_exposed_communication_comes_out_of_the_phase_it_fell_in():
     unprofiled.ms.update(compute=10.0)
     unprofiled.steps = 1
     assert unprofiled.local()["step_comm_exposed_ms"] is None  # a distributed run with --comm-steps 0
+
+
+def test_exposed_communication_in_a_step_inside_backward_is_the_optimizers():
+    """The optimizer's range nested in compute's (a step run inside backward): the exposed [80, 100] fall
+    in the optimizer's [70, 100] only, not in compute's as well."""
+    events = [ev("phase:compute", 0, 100), ev("phase:optimizer", 70, 30),
+              ev("gloo:all_reduce", 60, 40, th=9, s=[[10]], d=["float"]), ev("aten::mm", 0, 80)]
+    got = analyze(events, 2, steps=1)["exposed_ms_by_phase"]
+    assert got == {"compute": pytest.approx(0.0), "optimizer": pytest.approx(20 / 1e6)}
 
 
 def test_analyze_attributes_exposed_communication_to_phases():
@@ -136,12 +176,30 @@ def test_step_model_overlap_link_and_sharding():
 
 
 def test_pipeline_prediction_has_the_bubble():
-    """GPipe and 1F1B: m + s - 1 slots of the slowest stage (here s=2, m=4: 5 slots)."""
+    """GPipe and 1F1B simulated op by op: with equal stages (m + s - 1) slots of one stage's forward and
+    backward (s=2, m=4: 5 slots); with unequal ones the fill and drain take the faster stage's time,
+    sum(t) + (m - 1) x max(t), less than (m + s - 1) x max(t). Rank 0 (the row's) computes its own
+    stage only and waits the rest."""
+    from common.measure.timemodel import _pipeline_order, _simulate_pipeline
+
+    for schedule in ("pp_gpipe", "pp_1f1b"):
+        length, busy = _simulate_pipeline(schedule, [20.0, 20.0], [40.0, 40.0], [0.0], 4, overlap=True)
+        assert (length, busy) == (pytest.approx(5 * 60.0), pytest.approx(4 * 60.0))
+        length, _ = _simulate_pipeline(schedule, [10.0, 20.0], [20.0, 40.0], [1.0], 4, overlap=True)
+        assert length == pytest.approx(30 + 3 * 60 + 60 + 2 * 1.0)  # both sends of the last micro-batch
+        serial, _ = _simulate_pipeline(schedule, [10.0, 20.0], [20.0, 40.0], [1.0], 4, overlap=False)
+        assert serial > length  # without overlap a send keeps its sender busy
+    # Schedule1F1B._step_microbatches: the first of 2 stages warms up with 2 forwards, the last with 1
+    assert _pipeline_order("pp_1f1b", 0, 2, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3),
+                                                   ("B", 2), ("B", 3)]
+    assert _pipeline_order("pp_1f1b", 1, 2, 4)[:3] == [("F", 0), ("B", 0), ("F", 1)]
     p = predict_step(setup("single"), C, FAST, overlap=True, strategy="pp_gpipe", microbatches=4, stages=[2, 2])
     shares = [u.share for u in units("resnet18", 32)]
     first = sum(s for u, s in zip(units("resnet18", 32), shares) if u.name == "stem" or u.name[:6] in ("layer1",
                                                                                                      "layer2"))
-    assert p.compute_ms == pytest.approx(5 * max(first, 1 - first) * 60.0)
+    t = sorted([first * 60.0, (1 - first) * 60.0])
+    assert p.compute_ms == pytest.approx(4 * first * 60.0)
+    assert p.compute_ms + p.comm_exposed_ms == pytest.approx(sum(t) + 3 * t[1], rel=1e-3)
 
 
 def test_pipeline_stages_take_the_measured_pieces_shares(tmp_path, monkeypatch):
@@ -158,10 +216,12 @@ def test_pipeline_stages_take_the_measured_pieces_shares(tmp_path, monkeypatch):
     flops = predict_step(setup("single"), C, FAST, overlap=True, strategy="pp_gpipe", microbatches=4, stages=[2, 2])
     got = predict_step(setup("single"), C, FAST, overlap=True, strategy="pp_gpipe", microbatches=4, stages=[2, 2],
                        pieces=pieces)
-    assert got.compute_ms == pytest.approx(5 * 0.8 * 60.0) and flops.compute_ms < 5 * 0.6 * 60.0
+    length = lambda p: p.compute_ms + p.comm_exposed_ms  # noqa: E731
+    # stage 0: 20% of 60 ms a micro-batch, stage 1: 80%; the schedule: 12 + 4 x 48 ms
+    assert length(got) == pytest.approx(12 + 4 * 48.0, rel=1e-3) and length(flops) < 0.6 * 60 + 4 * 0.6 * 60
     got = predict_step(setup("single"), C, FAST, overlap=True, strategy="pp_gpipe", microbatches=4, stages=[3, 1],
                        pieces=pieces)
-    assert got.compute_ms == pytest.approx(5 * 0.7 * 60.0)
+    assert length(got) == pytest.approx(18 + 4 * 42.0, rel=1e-3)
 
     t = torch.get_num_threads()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -178,7 +238,7 @@ def test_pipeline_stages_take_the_measured_pieces_shares(tmp_path, monkeypatch):
     cfg = SimpleNamespace(calibration=str(cal), workers=2, microbatches=4, split="2,2", batch_size=16)  # PP's
     s = Setup(model="resnet18", image_size=32, batch_size=16, world_size=2, strategy="single")
     pred, why = TimePrediction(cfg, s, torch.device("cpu"), None, None, "pp_gpipe").predict()
-    assert why is None and pred.compute_ms == pytest.approx(5 * 0.8 * 60.0)
+    assert why is None and pred.compute_ms + pred.comm_exposed_ms == pytest.approx(12 + 4 * 48.0, rel=1e-2)
 
 
 def test_link_fit_recovers_latency_and_bandwidth():
@@ -284,6 +344,24 @@ def test_advise_ranks_strategies_by_predicted_speed(capsys):
     assert benchmark.main(["advise", "--model", "resnet50", "--gpus", "4", "--gpu", "Tesla Q99"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not in the datasheet table" in err
+
+
+@pytest.mark.slow  # launches processes
+def test_calibrate_keeps_the_median_of_its_repeats(monkeypatch):
+    """--repeats N launches each compute entry N times and keeps each figure's median (one launch is one
+    draw of a machine that moves 15-35% between launches); the pipeline pieces likewise, piece by piece."""
+    from common.bench import calibrate as cal
+
+    draws = iter([{"fwd_ms": 10.0, "bwd_ms": 20.0, "opt_ms": 5.0}, {"fwd_ms": 30.0, "bwd_ms": 60.0, "opt_ms": 9.0},
+                  {"fwd_ms": 20.0, "bwd_ms": 40.0, "opt_ms": 1.0}])
+    launched = []
+    monkeypatch.setattr(cal, "_concurrent", lambda cmds, threads, what: launched.append(cmds) or (next(draws), {}))
+    spec = {"model": "resnet18", "image_size": 32, "batch": 8, "mode": "fp32", "optimizer": "sgd", "device": "cpu",
+            "steps": 2}
+    assert cal._spawn(spec, 1, 1, repeats=3) == {"fwd_ms": 20.0, "bwd_ms": 40.0, "opt_ms": 5.0}
+    assert len(launched) == 3
+    assert cal._median_pieces([[(1.0, 2.0), (5.0, 5.0)], [(3.0, 1.0), (4.0, 6.0)], [(2.0, 5.0), (6.0, 4.0)]]) == \
+        [(2.0, 2.0), (5.0, 5.0)]
 
 
 @pytest.mark.slow  # launches processes

@@ -47,6 +47,8 @@ def add_args(p) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads per process (default: the cores / the "
                    "ranks, benchmark.py's OMP_NUM_THREADS rule)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per setup (after 3 warm-up steps)")
+    p.add_argument("--repeats", type=int, default=1, help="launches per compute entry, the median kept (a 2-core "
+                   "CPU moves 15-35%% between launches: 3 make the entries steadier, at 3x the time)")
     p.add_argument("--link-max-bytes", default="16M", help="largest collective message timed (K, M, G suffixes)")
     p.add_argument("--no-strategies", action="store_true", help="skip the distributed runs of the preset on one "
                    "process (each strategy's own host work; fp32)")
@@ -58,13 +60,22 @@ SCRIPT = {"fp32": ("pytorch_SingleGPU.py", None), "amp_fp16": ("pytorch_auto_mix
           "pure_bf16": ("pytorch_half_precision.py", "bf16")}
 
 
-def _spawn(spec: dict, procs: int, threads: int) -> dict:
+def _spawn(spec: dict, procs: int, threads: int, repeats: int = 1) -> dict:
     """`procs` single-device runs at once (the project's own loop, its step_compute_ms and
     step_optimizer_ms); the slowest one's figures (it sets a synchronous step's pace)."""
     script, precision = SCRIPT[spec["mode"]]
     cmds = [[sys.executable, script, *to_flags(_run_args(spec)), *(["--precision", precision] if precision else [])]
             for _ in range(procs)]
-    return _concurrent(cmds, threads, f"{script} {spec}")[0]
+    return _median_of(repeats, lambda: _concurrent(cmds, threads, f"{script} {spec}"))[0]
+
+
+def _median_of(repeats: int, draw) -> tuple[dict, dict]:
+    """`repeats` draws of (figures, row): each figure's median over the draws, and the first draw's row.
+    Launch to launch is where a CPU's time moves (15-35% on 2 cores); the steps of one launch agree."""
+    import statistics
+
+    draws = [draw() for _ in range(max(1, repeats))]
+    return {k: statistics.median(d[0][k] for d in draws) for k in draws[0][0]}, draws[0][1]
 
 
 def _run_args(spec: dict) -> dict:
@@ -122,7 +133,8 @@ def _strategy_runs(opts, spec: dict, n: int, gpus: int, threads: int, procs: int
         run = {**run, "nproc": 1, "args": {**run["args"], **_run_args(spec), "precision": "fp32"}}
         cmds = [command(run, gpus, os.devnull)[0] for _ in range(procs)]  # --results, --save-dir follow
         try:
-            got, row = _concurrent(cmds, threads, f"{run['name']} at 1 process")
+            got, row = _median_of(opts.repeats,
+                                  lambda: _concurrent(cmds, threads, f"{run['name']} at 1 process"))
         except UsageError as exc:
             print(f"strategy {run['name']}: not calibrated ({exc})", flush=True)
             continue
@@ -203,6 +215,13 @@ def _piece_times(spec: dict, threads: int) -> list[tuple[float, float]] | None:
     return out
 
 
+def _median_pieces(draws: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    import statistics
+
+    return [(statistics.median(d[i][0] for d in draws), statistics.median(d[i][1] for d in draws))
+            for i in range(len(draws[0]))]
+
+
 def _links(world: int, device: str, threads: int, max_bytes: str = "16M") -> dict:
     from ..measure.calibration import fit_link
 
@@ -264,6 +283,8 @@ def calibrate(opts) -> int:
         raise UsageError("--world-sizes: every size must be >= 1")
     if opts.steps < 1:
         raise UsageError(f"--steps {opts.steps}: at least 1 timed step")
+    if opts.repeats < 1:
+        raise UsageError(f"--repeats {opts.repeats}: at least 1 launch")
     data = load(opts.out) or {}
     timed = set()
     fp = fingerprint(device)
@@ -277,7 +298,7 @@ def calibrate(opts) -> int:
             for b in sorted(micro):
                 spec = {"model": model, "image_size": image, "batch": b, "mode": mode, "optimizer": optimizer,
                         "device": device.type, "steps": opts.steps}
-                got = _spawn(spec, procs, threads)
+                got = _spawn(spec, procs, threads, opts.repeats)
                 k = key(model, image, b, mode, optimizer, procs, threads)
                 data["compute"][k] = {m: round(v, 4) for m, v in got.items()}
                 print(f"compute {k}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
@@ -290,7 +311,8 @@ def calibrate(opts) -> int:
                 if k in timed:  # a GPU's threads are 1 at every world size: the same key
                     continue
                 timed.add(k)
-                got = _piece_times(spec, threads)
+                draws = [_piece_times(spec, threads) for _ in range(max(1, opts.repeats))]
+                got = _median_pieces(draws) if draws[0] else None
                 if got:
                     data.setdefault("pieces", {})[k] = got
                     print(f"pieces {k}: " + ", ".join(f"{f:.2f}+{b:.2f} ms" for f, b in got), flush=True)

@@ -228,6 +228,10 @@ def analyze(events, n: int, steps: int) -> dict:
         for e in events:
             if e.name().startswith(PHASE) and e.device_type() != torch.autograd.DeviceType.CUDA:
                 phases.setdefault(e.name()[len(PHASE):], []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
+    if "compute" in phases and "optimizer" in phases:
+        # a step run inside backward (accelerate's DeepSpeed engine, common/train.py step_inside_backward)
+        # is the optimizer's alone, not compute's as well
+        phases = {**phases, "compute": _subtract(_union(phases["compute"]), _union(phases["optimizer"]))}
     by_phase = ({p: _intersection(exposed, _union(spans)) / 1e6 / steps for p, spans in phases.items()}
                 if phases else None)  # no phase recorded: not measured (never a silent 0)
     return {"comm_bytes_per_step": payload / steps, "comm_calls_per_step": calls / steps,

@@ -27,9 +27,11 @@ order; a collective starts when its inputs are ready and the link is free:
   dp                     (one process, n GPUs) weights broadcast and gradients reduced, not overlapped
   tp, tp_fsdp            the tp rank's share of the FLOPs, plus 4 activation all-reduces per block and
                          micro-batch, exposed (the next op waits on each); tp_fsdp adds FSDP over dp
-  pp_*                   GPipe and 1F1B: (m + s - 1) slots of the slowest stage's forward and backward
-                         of one micro-batch (both schedules have the same bubble), plus each slot's
-                         activation send and gradient receive; the optimizer of the largest stage.
+  pp_gpipe, pp_1f1b      simulated op by op in the order torch's schedules run them (a forward waits for
+                         the previous stage's activation, a backward for the next stage's gradient, each
+                         after its send): equal stages give (m + s - 1) slots of one stage, unequal ones
+                         sum(t) + (m - 1) x max(t); the optimizer of the largest stage. Interleaved
+                         1F1B keeps (m + s - 1) slots of its slowest virtual stage.
                          The slowest stage is the one with the largest share of the measured time of
                          the model's four pieces (calibrate times them) where the calibration has
                          them, else of the FLOPs: on a CPU at 32 px resnet18's layer4 holds 23% of
@@ -216,7 +218,7 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
         g_bytes = 2 if st.startswith("accelerate_fsdp") else 4
     p = StepPrediction(data_ms=c.data_ms * setup.grad_accum)
     if st.startswith("pp_"):
-        return _pipeline(p, us, c, link, overlap, n, microbatches, stages or [], setup, pieces)
+        return _pipeline(p, us, c, link, overlap, n, microbatches, stages or [], setup, pieces, st)
     s = _Schedule(overlap)
     accum = setup.grad_accum
     for _ in range(accum - 1):  # micro-batches before the last: no gradient communication (no_sync)
@@ -331,25 +333,90 @@ def _tensor_parallel(p: StepPrediction, setup: Setup, c: Compute, link: Link, ov
 
 
 def _pipeline(p: StepPrediction, us, c: Compute, link: Link, overlap: bool, n: int, m: int, stages: list[int],
-              setup: Setup, pieces: list | None = None) -> StepPrediction:
-    """c is the compute of ONE micro-batch through the whole model; stages: ResNet stages per piece."""
+              setup: Setup, pieces: list | None = None, schedule: str = "pp_gpipe") -> StepPrediction:
+    """c is the compute of ONE micro-batch through the whole model; stages: ResNet stages per piece.
+    GPipe and 1F1B (one stage per rank) are simulated op by op in the order their _step_microbatches
+    runs them; interleaved 1F1B (two stages per rank) keeps (m + s - 1) slots of the slowest stage."""
     shares, params, cut_bytes = _stage_split(us, stages or [4], setup)
     fwd, bwd = shares, shares
     if pieces:
         fwd, bwd = _piece_shares(pieces, stages or [4])
         p.notes.append("stage shares of the measured pieces")
-    slowest = max(range(len(fwd)), key=lambda i: fwd[i] * c.fwd_ms + bwd[i] * c.bwd_ms)
-    slot_f = fwd[slowest] * c.fwd_ms
-    slot_b = bwd[slowest] * c.bwd_ms
-    slots = m + len(shares) - 1
     micro = max(1, setup.batch_size // max(1, m))
     # one activation forward and its gradient back per micro-batch and cut
-    send = sum(link.ms("send", b * micro, 2) for b in cut_bytes)
-    p.compute_ms = slots * (slot_f + slot_b)
-    p.comm_ms = 2 * m * send
-    p.comm_exposed_ms = p.comm_ms if not overlap else 2 * send  # overlapped but the first and the last
+    sends = [link.ms("send", b * micro, 2) for b in cut_bytes]
+    p.comm_ms = 2 * m * sum(sends)
     p.optimizer_ms = c.opt_ms * max(params) / max(1, sum(params))
+    f = [x * c.fwd_ms for x in fwd]
+    b = [x * c.bwd_ms for x in bwd]
+    if schedule in ("pp_gpipe", "pp_1f1b") and len(f) == n:
+        length, busy = _simulate_pipeline(schedule, f, b, sends, m, overlap)
+        p.compute_ms = busy  # global rank 0's (the row's) own forward and backward; the rest it waits
+        p.comm_exposed_ms = length - busy
+        return p
+    slowest = max(range(len(f)), key=lambda i: f[i] + b[i])
+    p.compute_ms = (m + len(f) - 1) * (f[slowest] + b[slowest])
+    p.comm_exposed_ms = p.comm_ms if not overlap else 2 * sum(sends)  # overlapped but the first and the last
     return p
+
+
+def _pipeline_order(schedule: str, rank: int, s: int, m: int) -> list[tuple[str, int]]:
+    """The (F|B, micro-batch) order of one rank, as torch/distributed/pipelining/schedules.py runs it:
+    ScheduleGPipe._step_microbatches does every forward, then every backward in micro-batch order;
+    Schedule1F1B._step_microbatches min(m, s - rank) forwards, then backward and forward alternately,
+    then the remaining backwards."""
+    if schedule == "pp_gpipe":
+        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
+    warm = min(m, s - rank)
+    order = [("F", k) for k in range(warm)]
+    nf, nb = warm, 0
+    while nb < m:
+        order.append(("B", nb))
+        nb += 1
+        if nf < m:
+            order.append(("F", nf))
+            nf += 1
+    return order
+
+
+def _simulate_pipeline(schedule: str, f: list[float], b: list[float], sends: list[float], m: int,
+                       overlap: bool) -> tuple[float, float]:
+    """(the step's length, rank 0's busy time) of one stage per rank: an op starts when its rank is free
+    and its input has arrived (a forward: the previous stage's forward of the micro-batch plus the send;
+    a backward: the next stage's backward plus the send, and its own forward). Without overlap (CPU:
+    gloo's threads take the cores the rank computes on) a send also keeps its sender busy."""
+    s = len(f)
+    orders = [_pipeline_order(schedule, r, s, m) for r in range(s)]
+    done: dict = {}
+    free, pos, busy0 = [0.0] * s, [0] * s, 0.0
+    while any(pos[r] < len(orders[r]) for r in range(s)):
+        moved = False
+        for r in range(s):
+            while pos[r] < len(orders[r]):
+                kind, k = orders[r][pos[r]]
+                if kind == "F":
+                    dep = (r - 1, "F", k) if r > 0 else None
+                    arrive = done.get(dep, None) if dep else 0.0
+                    if dep and arrive is not None:
+                        arrive += sends[r - 1]
+                    ms, out = f[r], sends[r] if r + 1 < s else 0.0
+                else:
+                    dep = (r + 1, "B", k) if r + 1 < s else (r, "F", k)
+                    arrive = done.get(dep)
+                    if arrive is not None and r + 1 < s:
+                        arrive += sends[r]
+                    ms, out = b[r], sends[r - 1] if r > 0 else 0.0
+                if arrive is None:
+                    break
+                end = max(free[r], arrive) + ms
+                done[(r, kind, k)] = end
+                free[r] = end + (0.0 if overlap else out)
+                busy0 += ms if r == 0 else 0.0
+                pos[r] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"{schedule}: the simulated pipeline deadlocked")
+    return max(free), busy0
 
 
 def _piece_shares(pieces: list, counts: list[int]) -> tuple[list[float], list[float]]:
