@@ -97,8 +97,9 @@ def test_a_step_run_inside_backward_is_timed_as_the_optimizer(monkeypatch):
         return fit(cfg, model, SlowBatches(4, 0.0), None, hooks).extra
 
     got, unmarked = run(True), run(False)
-    assert got["step_optimizer_ms"] == pytest.approx(60.0, abs=15.0) and got["step_compute_ms"] < 30.0
-    assert unmarked["step_optimizer_ms"] < 5.0  # without it the step hides in compute
+    # a sleep never ends early: the marked step holds all of its 60 ms, the unmarked compute does
+    assert got["step_optimizer_ms"] >= 59.0 and unmarked["step_compute_ms"] >= 59.0
+    assert unmarked["step_optimizer_ms"] < 10.0 and got["step_compute_ms"] < unmarked["step_compute_ms"]
     assert sum(got[c] for c in PARTS) == pytest.approx(got["step_ms_mean"], abs=0.01)
 
 
@@ -177,9 +178,9 @@ def test_step_model_overlap_link_and_sharding():
 
 def test_pipeline_prediction_has_the_bubble():
     """GPipe and 1F1B simulated op by op: with equal stages (m + s - 1) slots of one stage's forward and
-    backward (s=2, m=4: 5 slots); with unequal ones the fill and drain take the faster stage's time,
-    sum(t) + (m - 1) x max(t), less than (m + s - 1) x max(t). Rank 0 (the row's) computes its own
-    stage only and waits the rest."""
+    backward (s=2, m=4: 5 slots); with unequal ones (the last stage the slowest) the fill and drain take
+    the faster stage's time, t0 + m x t1, less than (m + s - 1) x t1. Rank 0 computes its own stage only
+    and waits the rest."""
     from common.measure.timemodel import _pipeline_order, _simulate_pipeline
 
     for schedule in ("pp_gpipe", "pp_1f1b"):
@@ -346,7 +347,6 @@ def test_advise_ranks_strategies_by_predicted_speed(capsys):
     assert err.count("\n") == 1 and "not in the datasheet table" in err
 
 
-@pytest.mark.slow  # launches processes
 def test_calibrate_keeps_the_median_of_its_repeats(monkeypatch):
     """--repeats N launches each compute entry N times and keeps each figure's median (one launch is one
     draw of a machine that moves 15-35% between launches); the pipeline pieces likewise, piece by piece."""

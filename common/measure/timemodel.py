@@ -29,9 +29,10 @@ order; a collective starts when its inputs are ready and the link is free:
                          micro-batch, exposed (the next op waits on each); tp_fsdp adds FSDP over dp
   pp_gpipe, pp_1f1b      simulated op by op in the order torch's schedules run them (a forward waits for
                          the previous stage's activation, a backward for the next stage's gradient, each
-                         after its send): equal stages give (m + s - 1) slots of one stage, unequal ones
-                         sum(t) + (m - 1) x max(t); the optimizer of the largest stage. Interleaved
-                         1F1B keeps (m + s - 1) slots of its slowest virtual stage.
+                         after its send): equal stages give (m + s - 1) slots of one stage; unequal ones
+                         fill and drain at the other stages' pace (2 stages, the last the slowest: t0 +
+                         m x t1); the optimizer of the largest stage. Interleaved 1F1B is not simulated:
+                         (m + n - 1) slots of the slowest of the n pieces plan() gives.
                          The slowest stage is the one with the largest share of the measured time of
                          the model's four pieces (calibrate times them) where the calibration has
                          them, else of the FLOPs: on a CPU at 32 px resnet18's layer4 holds 23% of
@@ -336,7 +337,9 @@ def _pipeline(p: StepPrediction, us, c: Compute, link: Link, overlap: bool, n: i
               setup: Setup, pieces: list | None = None, schedule: str = "pp_gpipe") -> StepPrediction:
     """c is the compute of ONE micro-batch through the whole model; stages: ResNet stages per piece.
     GPipe and 1F1B (one stage per rank) are simulated op by op in the order their _step_microbatches
-    runs them; interleaved 1F1B (two stages per rank) keeps (m + s - 1) slots of the slowest stage."""
+    runs them; interleaved 1F1B (two stages per rank) is not: (m + n - 1) slots of the slowest piece.
+    compute_ms is one rank's own work (rank 0's stage); the rest of the step it waits, which the
+    measured columns count as exposed communication (a receive's wait)."""
     shares, params, cut_bytes = _stage_split(us, stages or [4], setup)
     fwd, bwd = shares, shares
     if pieces:
