@@ -354,7 +354,7 @@ def _pipeline(p: StepPrediction, us, c: Compute, link: Link, overlap: bool, n: i
     b = [x * c.bwd_ms for x in bwd]
     if schedule in ("pp_gpipe", "pp_1f1b") and len(f) == n:
         length, busy = _simulate_pipeline(schedule, f, b, sends, m, overlap)
-        p.compute_ms = busy  # global rank 0's (the row's) own forward and backward; the rest it waits
+        p.compute_ms = busy  # rank 0's own forward and backward; the rest of the step it waits
         p.comm_exposed_ms = length - busy
         return p
     slowest = max(range(len(f)), key=lambda i: f[i] + b[i])
