@@ -23,6 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.distributed import synchronize as sync  # noqa: E402
 from common.measure.comm import bus_factor  # noqa: E402
+from common.precision import steady_host_allocator  # noqa: E402
 
 UNITS = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
 
@@ -62,6 +63,8 @@ def main():
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:  # as the training runs it stands for (common/precision.py configure_backends)
+        steady_host_allocator()
     dist.init_process_group("nccl" if cuda else "gloo")
     n, rank = dist.get_world_size(), dist.get_rank()
     if rank == 0:

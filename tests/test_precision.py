@@ -1,9 +1,13 @@
 """The oneDNN bf16 check (common/precision.py): which convolutions it flags, that it refuses only
 where the bad kernel runs, and that what it lets through computes the right weight gradients."""
+import resource
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import check_ok, one_line_error, rows, run, tiny_args
+from helpers import ROOT, check_ok, one_line_error, rows, run, tiny_args
 
 from common import precision
 from common.config import TrainConfig, UsageError
@@ -58,3 +62,40 @@ def test_a_script_refuses_the_bad_shape_in_one_line(tmp_path):
     check_ok(run("pytorch_auto_mixed_precision.py", tiny_args(tmp_path, precision="bf16", image_size=16, batch_size=8,
                                                               train_samples=16, test_samples=8),
                  env={"ONEDNN_MAX_CPU_ISA": "AVX2"}))
+
+
+# 4 x 30 MiB allocated, written and freed: whatever glibc's adaptive thresholds made of the imports (the mmap
+# threshold at most 32 MiB, the trim threshold twice it), at least one chunk goes back to the OS (unmapped, or
+# trimmed off the top of the heap) and the next cycle faults its pages in again (1 to 4 chunks' worth, from
+# one process to the next); with the thresholds fixed the memory stays
+CYCLES = """
+import resource, sys, types
+import torch
+from common.precision import configure_backends
+
+def faults_per_cycle():
+    def cycle():
+        xs = [torch.ones(30 << 18) for _ in range(4)]
+        del xs
+    cycle()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        cycle()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
+
+adaptive = faults_per_cycle()
+configure_backends(types.SimpleNamespace(seed=0), torch.device(sys.argv[1]))
+print(adaptive, faults_per_cycle())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_cpu_run_keeps_the_memory_its_steps_free():
+    """configure_backends on a CPU fixes glibc's thresholds (steady_host_allocator): a step's activations
+    are not faulted in again every step, in some processes and not others (docs/measured.md)."""
+    pages = 4 * (30 << 20) // resource.getpagesize()
+    out = subprocess.run([sys.executable, "-c", CYCLES, "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    adaptive, steady = map(float, out.stdout.split())
+    assert adaptive > 0.2 * pages, (adaptive, pages)  # the test sees the fault it guards against
+    assert steady < 0.02 * pages, (steady, pages)

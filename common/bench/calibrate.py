@@ -158,8 +158,11 @@ def _piece_times(spec: dict, threads: int) -> list[tuple[float, float]] | None:
 
     from ..models import build_model, stages
     from ..pipeline import split
+    from ..precision import steady_host_allocator
 
     device = torch.device("cuda", 0) if spec["device"] == "cuda" else torch.device("cpu")
+    if device.type == "cpu":  # as the runs it stands for (configure_backends)
+        steady_host_allocator()
     model = build_model(SimpleNamespace(model=spec["model"], channels_last=False), pretrained=False)
     if not stages(model):
         return None
