@@ -55,8 +55,10 @@ def check_model_state(row: dict) -> None:
 CASES = [
     ("pytorch_DDP_ZeRO.py", "torchrun", {"optimizer": "adamw"}),
     ("pytorch_FSDP.py", "torchrun", {"sharding": "shard-grad-op", "optimizer": "adamw"}),
-    ("pytorch_DeepSpeed.py", "deepspeed", {"deepspeed_config": "config/zero_stage2_config.json",
-                                           "optimizer": "adamw"}),
+    # torchrun, not the deepspeed launcher (its runner and launch.py each import torch and DeepSpeed first):
+    # the launcher runs in tests/launches.py's pytorch_DeepSpeed-launcher
+    ("pytorch_DeepSpeed.py", "torchrun", {"deepspeed_config": "config/zero_stage2_config.json",
+                                          "optimizer": "adamw"}),
 ]
 
 
