@@ -1,5 +1,6 @@
-"""The oneDNN bf16 check (common/precision.py): which convolutions it flags, that it refuses only
-where the bad kernel runs, and that what it lets through computes the right weight gradients."""
+"""common/precision.py's CPU guards. The oneDNN bf16 check: which convolutions it flags, that it refuses
+only where the bad kernel runs, and that what it lets through computes the right weight gradients. The
+allocator: a CPU run keeps the memory its steps free (steady_host_allocator)."""
 import resource
 import subprocess
 import sys
