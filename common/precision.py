@@ -23,7 +23,7 @@ def seed_everything(seed: int) -> None:
 
 
 # glibc's malloc.h
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
 MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for it on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 TRIM_THRESHOLD = 1 << 30  # mallopt takes an int
 
@@ -38,15 +38,20 @@ def steady_host_allocator() -> bool:
     and 4,576 (9 ms of system time, 12% of the step) in others; a 2-rank GPipe run's median step moved
     from 157 to 235 ms between launches, 141-163 ms with this. Setting them turns the adjustment off
     (mallopt(3)); memory a step frees stays with the process, as torch's CPU launcher arranges with
-    jemalloc (torch/backends/xeon/run_cpu.py: dirty_decay_ms and muzzy_decay_ms at 9e9). False where the
-    C library has no mallopt (macOS, Windows) or refuses a value."""
+    jemalloc (torch/backends/xeon/run_cpu.py: dirty_decay_ms and muzzy_decay_ms at 9e9).
+    Chunks above the ceiling would still be mmapped and unmapped at every allocation: gloo's temporaries
+    for a 45 MiB all-gather or reduce-scatter (DeepSpeed's ZeRO-1/2 of resnet18), whose time that doubled
+    (2 ranks: 42 ms, 19-22 with these). M_MMAP_MAX = 0 serves them from the heap too; a request a thread's
+    arena cannot hold falls back to the main one (glibc malloc.c, arena_get_retry). False where the C
+    library has no mallopt (macOS, Windows) or refuses a value."""
     import ctypes
 
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError, TypeError):
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return all(bool(mallopt(option, value)) for option, value in
+               ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_MMAP_MAX, 0)))
 
 
 def configure_backends(cfg: EvalConfig, device: torch.device) -> None:
