@@ -47,8 +47,9 @@ def add_args(p) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads per process (default: the cores / the "
                    "ranks, benchmark.py's OMP_NUM_THREADS rule)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per setup (after 3 warm-up steps)")
-    p.add_argument("--repeats", type=int, default=1, help="launches per compute entry, the median kept (a 2-core "
-                   "CPU moves 15-35%% between launches: 3 make the entries steadier, at 3x the time)")
+    p.add_argument("--repeats", type=int, default=1, help="launches per compute entry and of the collectives, the "
+                   "median kept (a 2-core CPU moves 15-35%% between launches: 3 make the entries steadier, at 3x "
+                   "the time)")
     p.add_argument("--link-max-bytes", default="16M", help="largest collective message timed (K, M, G suffixes)")
     p.add_argument("--no-strategies", action="store_true", help="skip the distributed runs of the preset on one "
                    "process (each strategy's own host work; fp32)")
@@ -108,8 +109,10 @@ def _concurrent(cmds: list[list[str]], threads: int, what: str) -> tuple[dict, d
             rows = read_rows(path) if os.path.exists(path) else []
             if code or not rows or rows[-1]["status"] != "ok":
                 with open(os.path.join(tmp, f"{i}.err")) as fh:
-                    last = (fh.read().strip().splitlines() or ["?"])[-1]
-                raise UsageError(f"calibration run {what} failed: {last}")
+                    lines = fh.read().strip().splitlines() or ["?"]
+                # the exception's line, not a launcher's warning printed after it
+                last = next((x for x in reversed(lines) if "Error" in x or "Exception" in x), lines[-1])
+                raise UsageError(f"calibration run {what} failed (exit {code}): {last.strip()}")
             got.append(rows[-1])
     compute = max(float(r["step_compute_ms"]) for r in got)
     opt = max(float(r["step_optimizer_ms"]) for r in got)
@@ -225,22 +228,40 @@ def _median_pieces(draws: list[list[tuple[float, float]]]) -> list[tuple[float, 
             for i in range(len(draws[0]))]
 
 
-def _links(world: int, device: str, threads: int, max_bytes: str = "16M") -> dict:
+def _links(world: int, device: str, threads: int, max_bytes: str = "16M", spec: dict | None = None,
+           steps: int = 10, repeats: int = 1) -> tuple[dict, dict | None]:
+    """The fitted collectives at `world` ranks, and what an all-reduce costs beside spec's model's forward
+    and backward at a rank's micro-batch (collectives.py --overlap-model), or None without a spec.
+    With repeats, each (kind, size)'s median time over the launches is fitted, and the overlap
+    measurement is the launch whose cost is the median (its figures belong together)."""
+    import statistics
+
     from ..measure.calibration import fit_link
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "c.json")
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(world),
-               "--master_port", str(_free_port()), os.path.join(ROOT, "benchmarks", "collectives.py"),
-               "--device", device, "--min-bytes", "16K", "--max-bytes", max_bytes, "--iters", "10", "--json", out]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        if proc.returncode or not os.path.exists(out):
-            raise UsageError(f"benchmarks/collectives.py at {world} ranks failed: "
-                             f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-        with open(out) as fh:
-            points = json.load(fh)["points"]
-    return fit_link([tuple(p) for p in points], world)
+    times, overlaps = {}, []
+    for _ in range(max(1, repeats)):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "c.json")
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+            cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(world),
+                   "--master_port", str(_free_port()), os.path.join(ROOT, "benchmarks", "collectives.py"),
+                   "--device", device, "--min-bytes", "16K", "--max-bytes", max_bytes, "--iters", "10", "--json", out]
+            if spec:
+                cmd += ["--overlap-model", spec["model"], "--overlap-image-size", str(spec["image_size"]),
+                        "--overlap-batch", str(spec["batch"]), "--overlap-steps", str(steps)]
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            if proc.returncode or not os.path.exists(out):
+                raise UsageError(f"benchmarks/collectives.py at {world} ranks failed: "
+                                 f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+            with open(out) as fh:
+                got = json.load(fh)
+        for kind, nbytes, t in got["points"]:
+            times.setdefault((kind, nbytes), []).append(t)
+        if got.get("overlap"):
+            overlaps.append(got["overlap"])
+    points = [(kind, nbytes, statistics.median(ts)) for (kind, nbytes), ts in times.items()]
+    overlap = sorted(overlaps, key=lambda o: o["cost"])[len(overlaps) // 2] if overlaps else None
+    return fit_link(points, world), overlap
 
 
 def _free_port() -> int:
@@ -329,11 +350,18 @@ def calibrate(opts) -> int:
                     print(f"compute {k}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
                           f"optimizer {got['opt_ms']:.2f} ms", flush=True)
         if n > 1:
-            links = _links(n, device.type, threads, opts.link_max_bytes)
+            spec = {"model": model, "image_size": image, "batch": max(1, batch // n)}
+            links, overlap = _links(n, device.type, threads, opts.link_max_bytes, spec, opts.steps, opts.repeats)
             data["links"][str(n)] = links
             for kind, v in links.items():
                 print(f"link {n} ranks {kind}: latency {v['latency_us']:.1f} us, busbw {v['busbw_gbps']:.3f} GB/s",
                       flush=True)
+            if overlap:
+                data.setdefault("overlap", {})[str(n)] = overlap
+                added = overlap["both_ms"] - overlap["compute_ms"]
+                print(f"overlap {n} ranks: an all-reduce of {overlap['bytes'] / 2**20:.1f} MiB beside {model}'s "
+                      f"forward and backward ({overlap['compute_ms']:.1f} ms) adds {added:.1f} ms, "
+                      f"{overlap['alone_ms']:.1f} alone: overlap cost {overlap['cost']:.2f}", flush=True)
     save(opts.out, data)
     print(f"calibration: {opts.out}")
     return 0
