@@ -10,7 +10,7 @@ from test_comm import ev
 from test_window import TinyNet
 
 from common.config import TrainConfig
-from common.measure.calibration import find_compute, find_link, fit_link, key
+from common.measure.calibration import find_compute, fit_link, key
 from common.measure.comm import analyze
 from common.measure.memory import Setup
 from common.measure.stepparts import StepParts
@@ -174,25 +174,6 @@ def test_step_model_overlap_link_and_sharding():
     sgo = predict_step(setup("fsdp_shard-grad-op"), C, FAST, overlap=False)
     assert full.comm_ms > sgo.comm_ms  # the backward all-gathers
     assert predict_step(setup("ddp_zero"), C, FAST, overlap=False).comm_ms > ddp_serial.comm_ms  # + broadcasts
-
-
-def test_hidden_communication_costs_the_links_overlap_cost():
-    """What a collective hidden under compute still costs (Link.overlap_cost, calibrate's --overlap-model
-    probe): 0 is the GPU's free overlap, 1 (a CPU's default) the one-resource schedule, above 1 a CPU
-    where the collective and the compute also slow each other; only the hidden part is charged."""
-    slow = Link({"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 2.0}, {"all_reduce": 50.0})
-    for st in ("ddp", "fsdp_full-shard", "deepspeed_zero3"):
-        free = predict_step(setup(st), C, slow, overlap=True)
-        serial = predict_step(setup(st), C, slow, overlap=False)
-        hidden = free.comm_ms - free.comm_exposed_ms
-        assert hidden > 5, st  # the schedule hides some: the check below is not 0 == 0
-        assert serial.comm_exposed_ms == pytest.approx(serial.comm_ms), st  # the CPU default: nothing hidden
-        for cost, want in ((0.0, free), (1.0, serial)):
-            got = predict_step(setup(st), C, Link(slow.busbw_gbps, slow.latency_us, overlap_cost=cost), overlap=False)
-            assert got.step_ms == pytest.approx(want.step_ms), (st, cost)
-        dear = predict_step(setup(st), C, Link(slow.busbw_gbps, slow.latency_us, overlap_cost=1.5), overlap=True)
-        assert dear.step_ms == pytest.approx(free.step_ms + 1.5 * hidden), st
-        assert dear.comm_ms == pytest.approx(free.comm_ms), st  # the bytes and the link are the same
 
 
 def test_pipeline_prediction_has_the_bubble():
@@ -384,19 +365,18 @@ def test_calibrate_keeps_the_median_of_its_repeats(monkeypatch):
 
 
 def test_calibrate_fits_the_median_collectives_of_its_repeats(monkeypatch):
-    """The collectives are launched --repeats times too: each message size's median time is fitted, and
-    the overlap figures are the launch of the median cost, whole (its cost is its own figures')."""
+    """The collectives are launched --repeats times too: each message size's median time is fitted (one
+    launch can catch the machine in a slow spell: 0.94 and 1.57 GB/s of all-reduce bus bandwidth in two
+    calibrations an hour apart)."""
     import json
     import types
 
     from common.bench import calibrate as cal
 
-    def launch(slope_s_per_mb, cost):
-        points = [("all_reduce", mb << 20, 1e-3 + slope_s_per_mb * mb) for mb in (1, 2, 4, 8)]
-        return {"points": points, "overlap": {"cost": cost, "compute_ms": 100.0, "alone_ms": 10.0,
-                                              "both_ms": 100.0 + 10.0 * cost}}
+    def launch(slope_s_per_mb):
+        return {"points": [("all_reduce", mb << 20, 1e-3 + slope_s_per_mb * mb) for mb in (1, 2, 4, 8)]}
 
-    draws = iter([launch(4e-3, 2.0), launch(1e-3, 0.5), launch(2e-3, 0.9)])
+    draws = iter([launch(4e-3), launch(1e-3), launch(2e-3)])
 
     def fake_run(cmd, **kw):
         with open(cmd[cmd.index("--json") + 1], "w") as fh:
@@ -404,12 +384,10 @@ def test_calibrate_fits_the_median_collectives_of_its_repeats(monkeypatch):
         return types.SimpleNamespace(returncode=0, stderr="")
 
     monkeypatch.setattr(cal.subprocess, "run", fake_run)
-    spec = {"model": "resnet18", "image_size": 32, "batch": 8}
-    links, overlap = cal._links(2, "cpu", 1, "8M", spec, steps=2, repeats=3)
+    links = cal._links(2, "cpu", 1, "8M", repeats=3)
     # the median launch's 2 ms per MiB: t = latency + S x 1 (all-reduce's bus factor at 2) / busbw
     assert links["all_reduce"]["busbw_gbps"] == pytest.approx((1 << 20) / 2e-3 / 1e9, rel=1e-3)
     assert links["all_reduce"]["latency_us"] == pytest.approx(1000.0, abs=1.0)
-    assert overlap == launch(0, 0.9)["overlap"]
 
 
 @pytest.mark.slow  # launches processes
@@ -440,13 +418,6 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
                                     key("resnet18", 32, 8, "fp32", "sgd", 2, 1),
                                     key("resnet18", 32, 8, "fp32@ddp", "sgd", 2, 1)}
     assert {"all_reduce", "all_gather", "reduce_scatter", "broadcast"} <= set(data["links"]["2"])
-    # an all-reduce beside the model's forward and backward at a rank's micro-batch (collectives.py
-    # --overlap-model, the message halved to fit under the compute); the 2-rank Link carries its cost
-    over = data["overlap"]["2"]
-    assert (over["model"], over["image_size"], over["batch"]) == ("resnet18", 32, 8), over
-    assert over["bytes"] > 0 and over["compute_ms"] > 0 and over["alone_ms"] > 0, over
-    assert over["cost"] == pytest.approx(max(0.0, (over["both_ms"] - over["compute_ms"]) / over["alone_ms"]), abs=2e-3)
-    assert find_link(data, 2).overlap_cost == over["cost"]
     # a pipeline micro-batch of 16 / 2: the four pieces, each with a forward and a backward time
     (pieces,) = data["pieces"].values()
     assert list(data["pieces"]) == [key("resnet18", 32, 8, "fp32", "-", 1, 1)]

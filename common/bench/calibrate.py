@@ -11,9 +11,10 @@ pytorch_auto_mixed_precision.py / pytorch_half_precision.py for the half modes):
 step_compute_ms and step_optimizer_ms over the timed window, so the loop's own cost is in the input.
 For every world size n: each compute mode at the micro-batch a data-parallel rank of n gets (the
 global batch / n) and, with --microbatches M, a pipeline's (batch / M); then the collectives at n
-ranks (benchmarks/collectives.py, fitted per kind). On a CPU the compute is measured by n processes
-at once, each with the threads a run of n ranks gets. With --microbatches, a ResNet's four one-stage
-pieces are also timed one after another at the pipeline's micro-batch (a pipeline's stage shares).
+ranks (benchmarks/collectives.py, fitted per kind). --repeats N: N launches of each, medians kept.
+On a CPU the compute is measured by n processes at once, each with the threads a run of n ranks gets.
+With --microbatches, a ResNet's four one-stage pieces are also timed one after another at the
+pipeline's micro-batch (a pipeline's stage shares).
 Entries are merged into the file: a setup measured again replaces its entry; a file calibrated on
 another device is replaced whole.
 """
@@ -228,17 +229,14 @@ def _median_pieces(draws: list[list[tuple[float, float]]]) -> list[tuple[float, 
             for i in range(len(draws[0]))]
 
 
-def _links(world: int, device: str, threads: int, max_bytes: str = "16M", spec: dict | None = None,
-           steps: int = 10, repeats: int = 1) -> tuple[dict, dict | None]:
-    """The fitted collectives at `world` ranks, and what an all-reduce costs beside spec's model's forward
-    and backward at a rank's micro-batch (collectives.py --overlap-model), or None without a spec.
-    With repeats, each (kind, size)'s median time over the launches is fitted, and the overlap
-    measurement is the launch whose cost is the median (its figures belong together)."""
+def _links(world: int, device: str, threads: int, max_bytes: str = "16M", repeats: int = 1) -> dict:
+    """The collectives at `world` ranks, fitted per kind; with repeats, each (kind, size)'s median time
+    over the launches (one launch of benchmarks/collectives.py can catch the machine in a slow spell)."""
     import statistics
 
     from ..measure.calibration import fit_link
 
-    times, overlaps = {}, []
+    times = {}
     for _ in range(max(1, repeats)):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "c.json")
@@ -246,9 +244,6 @@ def _links(world: int, device: str, threads: int, max_bytes: str = "16M", spec: 
             cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(world),
                    "--master_port", str(_free_port()), os.path.join(ROOT, "benchmarks", "collectives.py"),
                    "--device", device, "--min-bytes", "16K", "--max-bytes", max_bytes, "--iters", "10", "--json", out]
-            if spec:
-                cmd += ["--overlap-model", spec["model"], "--overlap-image-size", str(spec["image_size"]),
-                        "--overlap-batch", str(spec["batch"]), "--overlap-steps", str(steps)]
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
             if proc.returncode or not os.path.exists(out):
                 raise UsageError(f"benchmarks/collectives.py at {world} ranks failed: "
@@ -257,11 +252,8 @@ def _links(world: int, device: str, threads: int, max_bytes: str = "16M", spec: 
                 got = json.load(fh)
         for kind, nbytes, t in got["points"]:
             times.setdefault((kind, nbytes), []).append(t)
-        if got.get("overlap"):
-            overlaps.append(got["overlap"])
     points = [(kind, nbytes, statistics.median(ts)) for (kind, nbytes), ts in times.items()]
-    overlap = sorted(overlaps, key=lambda o: o["cost"])[len(overlaps) // 2] if overlaps else None
-    return fit_link(points, world), overlap
+    return fit_link(points, world)
 
 
 def _free_port() -> int:
@@ -350,18 +342,11 @@ def calibrate(opts) -> int:
                     print(f"compute {k}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
                           f"optimizer {got['opt_ms']:.2f} ms", flush=True)
         if n > 1:
-            spec = {"model": model, "image_size": image, "batch": max(1, batch // n)}
-            links, overlap = _links(n, device.type, threads, opts.link_max_bytes, spec, opts.steps, opts.repeats)
+            links = _links(n, device.type, threads, opts.link_max_bytes, opts.repeats)
             data["links"][str(n)] = links
             for kind, v in links.items():
                 print(f"link {n} ranks {kind}: latency {v['latency_us']:.1f} us, busbw {v['busbw_gbps']:.3f} GB/s",
                       flush=True)
-            if overlap:
-                data.setdefault("overlap", {})[str(n)] = overlap
-                added = overlap["both_ms"] - overlap["compute_ms"]
-                print(f"overlap {n} ranks: an all-reduce of {overlap['bytes'] / 2**20:.1f} MiB beside {model}'s "
-                      f"forward and backward ({overlap['compute_ms']:.1f} ms) adds {added:.1f} ms, "
-                      f"{overlap['alone_ms']:.1f} alone: overlap cost {overlap['cost']:.2f}", flush=True)
     save(opts.out, data)
     print(f"calibration: {opts.out}")
     return 0

@@ -11,9 +11,6 @@ results/calibration.json holds, with the machine's fingerprint (device name, CPU
            counts. On a GPU one process measures (each rank has its own device).
   links    per world size: latency (us) and bus bandwidth (GB/s) of each collective, fitted to
            benchmarks/collectives.py over message sizes (t = latency + S x bus factor / busbw).
-  overlap  per world size: what an all-reduce costs when it runs beside the model's forward and
-           backward, per ms it takes alone (benchmarks/collectives.py --overlap-model, at the
-           calibrated model and a rank's micro-batch): the step model's Link.overlap_cost.
   compute entries whose mode reads "fp32@<strategy>" (fp32@fsdp_full-shard, fp32@deepspeed_zero2, ...):
            the distributed script of that strategy run on ONE process at a rank's micro-batch, under its
            own launcher. Its compute and optimizer phases carry the strategy's host work (DDP's bucket
@@ -118,10 +115,8 @@ def find_link(data: dict | None, world: int):
     got = data.get("links", {}).get(str(world))
     if not got:
         return None
-    overlap = data.get("overlap", {}).get(str(world))  # files from before it: the device's default
     return Link(busbw_gbps={k: v["busbw_gbps"] for k, v in got.items()},
-                latency_us={k: v["latency_us"] for k, v in got.items()},
-                overlap_cost=overlap["cost"] if overlap else None, source=f"calibrated at {world} ranks")
+                latency_us={k: v["latency_us"] for k, v in got.items()}, source=f"calibrated at {world} ranks")
 
 
 def fit_link(points: list[tuple[str, int, float]], world: int) -> dict:

@@ -40,20 +40,15 @@ order; a collective starts when its inputs are ready and the link is free:
 Collective time: latency + S x bus factor / bus bandwidth (nccl-tests doc/PERFORMANCE.md, the same
 S and factors as the communication columns).
 
-The schedule hides a collective under compute where the library overlaps it; what that hidden time
-still costs is the link's overlap_cost per ms, measured by calibrate (benchmarks/collectives.py
---overlap-model: an all-reduce beside the model's forward and backward). Without a measurement it is
-0 on a GPU (overlap=True: NCCL's kernels run beside the compute's) and 1 on a CPU (overlap=False:
-gloo's threads run on the cores the training thread uses, so nothing is hidden; comm_overlap_pct there
-is concurrency only). Measured on this 2-core CPU it is above 1: the collective's copies and the
-compute also evict each other's caches.
+overlap=False puts communication and compute on one resource: on a CPU the gloo threads run on the
+cores the training thread uses, so nothing is hidden (comm_overlap_pct there is concurrency only).
+On a GPU NCCL kernels run beside compute kernels: overlap=True.
 
 Components, as the measured step_*_ms columns: data, compute (forward + backward), comm_exposed (the
 schedule's length beyond compute, plus the collectives after the optimizer), optimizer.
-Known limits: one overlap cost for every collective and strategy (an all-reduce's, at the calibrated
-model), none on a GPU without a calibration (NCCL takes SMs from the compute), per-unit (not
-per-layer) readiness, the loader as measured or ignored, no host overhead of a wrapper (DeepSpeed's
-hooks) beyond what the calibration's plain model shows.
+Known limits: no kernel-level contention between overlapped collectives and compute (NCCL takes
+SMs), per-unit (not per-layer) readiness, the loader as measured or ignored, no host overhead of a
+wrapper (DeepSpeed's hooks) beyond what the calibration's plain model shows.
 """
 from __future__ import annotations
 
@@ -85,8 +80,6 @@ class Link:
     busbw_gbps: dict = field(default_factory=lambda: {"all_reduce": 10.0})  # GB/s = 1e9 B/s
     latency_us: dict = field(default_factory=lambda: {"all_reduce": 20.0})
     source: str = ""
-    # step ms per ms of collective hidden under compute; None: the device's default (predict_step)
-    overlap_cost: float | None = None
 
     def ms(self, kind: str, nbytes: float, n: int) -> float:
         if n <= 1 or nbytes <= 0:
@@ -227,7 +220,7 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     p = StepPrediction(data_ms=c.data_ms * setup.grad_accum)
     if st.startswith("pp_"):
         return _pipeline(p, us, c, link, overlap, n, microbatches, stages or [], setup, pieces, st)
-    s = _Schedule(True)  # where the library overlaps; _exposed charges what hiding costs
+    s = _Schedule(overlap)
     accum = setup.grad_accum
     for _ in range(accum - 1):  # micro-batches before the last: no gradient communication (no_sync)
         _forward_backward(s, us, c)
@@ -269,18 +262,10 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
         p.notes.append(f"{st}: no communication model; compute and optimizer only")
     compute = (c.fwd_ms + c.bwd_ms) * accum
     p.compute_ms = compute
-    p.comm_exposed_ms = _exposed(s, compute, link, overlap) + post
+    p.comm_exposed_ms = max(0.0, s.length - compute) + post
     p.comm_ms = s.comm + post
     p.optimizer_ms = c.opt_ms * shard
     return p
-
-
-def _exposed(s: _Schedule, compute: float, link: Link, overlap: bool) -> float:
-    """The schedule's communication that the compute does not hide, plus what the hidden part still
-    costs (link.overlap_cost per ms; default 0 where overlap, else 1: the old one-resource schedule)."""
-    cost = link.overlap_cost if link.overlap_cost is not None else (0.0 if overlap else 1.0)
-    exposed = max(0.0, s.length - compute)
-    return exposed + max(0.0, cost) * max(0.0, s.comm - exposed)
 
 
 def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_bytes: int, regather: bool) -> None:
@@ -333,7 +318,7 @@ def _tensor_parallel(p: StepPrediction, setup: Setup, c: Compute, link: Link, ov
     forward = ITEMSIZE.get(setup.precision, 4)  # autocast: the forward all-reduces carry half outputs
     reduces = blocks * 2 * (link.ms("all_reduce", act * forward, tp) + link.ms("all_reduce", act * 4, tp)) * accum
     compute = (local.fwd_ms + local.bwd_ms) * accum
-    s = _Schedule(True)
+    s = _Schedule(overlap)
     lus = units(setup.model, setup.image_size, tp)
     for _ in range(accum - 1 if dp > 1 else accum):
         _forward_backward(s, lus, local)
@@ -342,7 +327,7 @@ def _tensor_parallel(p: StepPrediction, setup: Setup, c: Compute, link: Link, ov
     full = sum(sum(u.params) for u in units(setup.model, setup.image_size))
     mine = sum(sum(u.params) for u in lus)
     p.compute_ms = compute
-    p.comm_exposed_ms = _exposed(s, compute, link, overlap) + reduces
+    p.comm_exposed_ms = max(0.0, s.length - compute) + reduces
     p.comm_ms = s.comm + reduces
     p.optimizer_ms = c.opt_ms * mine / full / dp
     return p
