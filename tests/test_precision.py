@@ -1,6 +1,7 @@
 """common/precision.py's CPU guards. The oneDNN bf16 check: which convolutions it flags, that it refuses
 only where the bad kernel runs, and that what it lets through computes the right weight gradients. The
 allocator: a CPU run keeps the memory its steps free (steady_host_allocator)."""
+import platform
 import resource
 import subprocess
 import sys
@@ -91,7 +92,7 @@ print(adaptive, faults_per_cycle())
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt (musl's is a stub; none off Linux)")
 def test_a_cpu_run_keeps_the_memory_its_steps_free():
     """configure_backends on a CPU fixes glibc's thresholds (steady_host_allocator): a step's activations
     are not faulted in again every step, in some processes and not others (docs/measured.md)."""
