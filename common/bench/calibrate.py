@@ -110,10 +110,7 @@ def _concurrent(cmds: list[list[str]], threads: int, what: str) -> tuple[dict, d
             rows = read_rows(path) if os.path.exists(path) else []
             if code or not rows or rows[-1]["status"] != "ok":
                 with open(os.path.join(tmp, f"{i}.err")) as fh:
-                    lines = fh.read().strip().splitlines() or ["?"]
-                # the exception's line, not a launcher's warning printed after it
-                last = next((x for x in reversed(lines) if "Error" in x or "Exception" in x), lines[-1])
-                raise UsageError(f"calibration run {what} failed (exit {code}): {last.strip()}")
+                    raise UsageError(f"calibration run {what} failed (exit {code}): {_error_line(fh.read())}")
             got.append(rows[-1])
     compute = max(float(r["step_compute_ms"]) for r in got)
     opt = max(float(r["step_optimizer_ms"]) for r in got)
@@ -232,28 +229,31 @@ def _median_pieces(draws: list[list[tuple[float, float]]]) -> list[tuple[float, 
 def _links(world: int, device: str, threads: int, max_bytes: str = "16M", repeats: int = 1) -> dict:
     """The collectives at `world` ranks, fitted per kind; with repeats, each (kind, size)'s median time
     over the launches (one launch of benchmarks/collectives.py can catch the machine in a slow spell)."""
-    import statistics
-
     from ..measure.calibration import fit_link
 
-    times = {}
-    for _ in range(max(1, repeats)):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "c.json")
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-            cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(world),
-                   "--master_port", str(_free_port()), os.path.join(ROOT, "benchmarks", "collectives.py"),
-                   "--device", device, "--min-bytes", "16K", "--max-bytes", max_bytes, "--iters", "10", "--json", out]
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-            if proc.returncode or not os.path.exists(out):
-                raise UsageError(f"benchmarks/collectives.py at {world} ranks failed: "
-                                 f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-            with open(out) as fh:
-                got = json.load(fh)
-        for kind, nbytes, t in got["points"]:
-            times.setdefault((kind, nbytes), []).append(t)
-    points = [(kind, nbytes, statistics.median(ts)) for (kind, nbytes), ts in times.items()]
-    return fit_link(points, world)
+    times = _median_of(repeats, lambda: (_collectives(world, device, threads, max_bytes), None))[0]
+    return fit_link([(kind, nbytes, t) for (kind, nbytes), t in times.items()], world)
+
+
+def _collectives(world: int, device: str, threads: int, max_bytes: str) -> dict:
+    """One launch of benchmarks/collectives.py: {(kind, S bytes): seconds}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "c.json")
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(world),
+               "--master_port", str(_free_port()), os.path.join(ROOT, "benchmarks", "collectives.py"),
+               "--device", device, "--min-bytes", "16K", "--max-bytes", max_bytes, "--iters", "10", "--json", out]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode or not os.path.exists(out):
+            raise UsageError(f"benchmarks/collectives.py at {world} ranks failed: {_error_line(proc.stderr)}")
+        with open(out) as fh:
+            return {(kind, nbytes): t for kind, nbytes, t in json.load(fh)["points"]}
+
+
+def _error_line(stderr: str) -> str:
+    """The exception's line of a failed launch, not a launcher's warning printed after it."""
+    lines = stderr.strip().splitlines() or ["?"]
+    return next((x for x in reversed(lines) if "Error" in x or "Exception" in x), lines[-1]).strip()
 
 
 def _free_port() -> int:
