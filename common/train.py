@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .config import TrainConfig
 from .distributed import (
+    Lockstep,
     all_reduce,
     barrier,
     broadcast_buffers,
@@ -125,8 +126,9 @@ class TimedWindow:
     an instrument before the last warm-up step (the model-state walk runs in that step)."""
 
     def __init__(self, opens_at: int, device: torch.device, instruments: list[Instrument], time_s: float = 0.0,
-                 steps: int = 0, total_steps: int | None = None):
+                 steps: int = 0, total_steps: int | None = None, lockstep: Lockstep | None = None):
         self.opens_at, self.device, self.total_steps = opens_at, device, total_steps
+        self.lockstep, self.met = lockstep, False
         self.instruments = [i for i in instruments if not i.outside_window]
         self.parts = next((i for i in instruments if isinstance(i, StepParts)), None)
         self.before = [i for i in instruments if i.outside_window]  # not run yet in this process
@@ -172,6 +174,7 @@ class TimedWindow:
             self._open(steps_done)
 
     def after_step(self, steps_done: int) -> None:
+        self.met = False
         if self.profiling:
             for i in self.profiling:
                 i.step()
@@ -212,6 +215,14 @@ class TimedWindow:
         """The end of one phase of a step (common/measure/stepparts.py), inside the window only."""
         if self.running and self.parts is not None:
             self.parts.mark(phase)
+
+    def meet(self) -> None:
+        """Before an optimizer step, with --lockstep: the wait for the other runs is 'other' time. Once per
+        step: an engine stepped inside backward met them there, the loop's own step call then does not."""
+        if self.lockstep is not None and not self.met:
+            self.lockstep.wait()
+            self.mark("other")
+            self.met = True
 
     def phase(self, name: str):
         """Around a phase while the communication profiler records (before the window, or inside it when
@@ -341,6 +352,7 @@ def train_epoch(cfg: TrainConfig, net: nn.Module, loader, hooks: TrainHooks, win
         window.mark("other")
         if not boundary:
             continue
+        window.meet()
         with window.phase("optimizer"):
             hooks.step()
         window.mark("optimizer")
@@ -373,6 +385,7 @@ def _time_as_optimizer(owner, window: TimedWindow) -> None:
 
     def step(*args, **kwargs):
         window.mark("compute")
+        window.meet()
         with window.phase("optimizer"):
             out = inner(*args, **kwargs)
         window.mark("optimizer")
@@ -393,7 +406,8 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: Tr
         net, m.compile_time_s = compile_model(model, train_loader, hooks, cfg.channels_last)
     opens_at = cfg.timing_warmup_steps if cfg.timing_warmup_steps < spe * cfg.epochs else 0
     window = TimedWindow(opens_at, device, build_instruments(cfg, model, hooks, m, loader_img_s),
-                         *(saved["window_time"], saved["window_steps"]) if saved else (), total_steps=spe * cfg.epochs)
+                         *(saved["window_time"], saved["window_steps"]) if saved else (), total_steps=spe * cfg.epochs,
+                         lockstep=Lockstep(cfg.lockstep) if cfg.lockstep else None)
     if hooks.step_inside_backward is not None:
         _time_as_optimizer(hooks.step_inside_backward, window)
     streak = torch.zeros((), dtype=torch.int32, device=device)

@@ -103,6 +103,56 @@ def test_a_step_run_inside_backward_is_timed_as_the_optimizer(monkeypatch):
     assert sum(got[c] for c in PARTS) == pytest.approx(got["step_ms_mean"], abs=0.01)
 
 
+def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypatch):
+    """--lockstep HOST:PORT:N (calibrate's concurrent one-process runs): the run waits before each optimizer
+    step, also one the engine takes inside backward, for a partner that arrives 50 ms late each time; the
+    wait is 'other' time, never the optimizer's or compute's (the phases calibrate reads)."""
+    import threading
+
+    from torch.distributed import TCPStore
+
+    from common.distributed import Lockstep
+
+    parts = []
+    monkeypatch.setattr("common.train.build_instruments",
+                        lambda cfg, model, hooks, m, *_: parts or parts.extend([StepParts(hooks.device)]) or parts)
+    monkeypatch.setattr("common.train.Lockstep", lambda spec: Lockstep(spec, timeout_s=10))  # a miss fails, not hangs
+
+    def run(inside: bool) -> dict:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        spec = f"127.0.0.1:{store.port}:2"
+
+        def partner():
+            peer = Lockstep(spec, timeout_s=10)
+            for _ in range(5):
+                time.sleep(0.050)
+                peer.wait()
+
+        mate = threading.Thread(target=partner, daemon=True)
+        mate.start()
+        engine = type("Engine", (), {"step": lambda self: None})()
+
+        def backward(loss):
+            loss.backward()
+            if inside:
+                engine.step()
+
+        cfg = TrainConfig(epochs=1, timing_warmup_steps=1, log_every=0, batch_size=4, loader_probe_batches=0,
+                          lockstep=spec)
+        hooks = TrainHooks(backward, lambda: None, torch.device("cpu"), evaluate=lambda *a, **k: (0.5, 10),
+                           step_inside_backward=engine if inside else None)
+        parts.clear()
+        out = fit(cfg, TinyNet(), SlowBatches(5, 0.0), None, hooks).extra
+        mate.join(timeout=10)
+        return out
+
+    for inside in (False, True):
+        got = run(inside)
+        assert got["step_other_ms"] >= 40.0, got
+        assert got["step_optimizer_ms"] < 10.0 and got["step_compute_ms"] < 20.0, got
+        assert sum(got[c] for c in PARTS) == pytest.approx(got["step_ms_mean"], abs=0.01)
+
+
 class FakeComm:
     def __init__(self, exposed):
         self.exposed = exposed
@@ -388,6 +438,11 @@ def test_calibrate_fits_the_median_collectives_of_its_repeats(monkeypatch):
     # the median launch's 2 ms per MiB: t = latency + S x 1 (all-reduce's bus factor at 2) / busbw
     assert links["all_reduce"]["busbw_gbps"] == pytest.approx((1 << 20) / 2e-3 / 1e9, rel=1e-3)
     assert links["all_reduce"]["latency_us"] == pytest.approx(1000.0, abs=1.0)
+    # launches taken earlier in the calibration count among the repeats: one more launch here, not three
+    draws = iter([launch(1e-3)])
+    early = {(k, s): t for k, s, t in launch(4e-3)["points"]}, {(k, s): t for k, s, t in launch(2e-3)["points"]}
+    links = cal._links(2, "cpu", 1, "8M", repeats=3, taken=early)
+    assert links["all_reduce"]["busbw_gbps"] == pytest.approx((1 << 20) / 2e-3 / 1e9, rel=1e-3)
 
 
 @pytest.mark.slow  # launches processes

@@ -11,8 +11,10 @@ pytorch_auto_mixed_precision.py / pytorch_half_precision.py for the half modes):
 step_compute_ms and step_optimizer_ms over the timed window, so the loop's own cost is in the input.
 For every world size n: each compute mode at the micro-batch a data-parallel rank of n gets (the
 global batch / n) and, with --microbatches M, a pipeline's (batch / M); then the collectives at n
-ranks (benchmarks/collectives.py, fitted per kind). --repeats N: N launches of each, medians kept.
-On a CPU the compute is measured by n processes at once, each with the threads a run of n ranks gets.
+ranks (benchmarks/collectives.py, fitted per kind). --repeats N: N launches of each, medians kept;
+the collectives' launches spread over the world size's entries (its start, middle and end).
+On a CPU the compute is measured by n processes at once, each with the threads a run of n ranks gets,
+meeting before every optimizer step as the ranks of a job do (--lockstep).
 With --microbatches, a ResNet's four one-stage pieces are also timed one after another at the
 pipeline's micro-batch (a pipeline's stage shares).
 Entries are merged into the file: a setup measured again replaces its entry; a file calibrated on
@@ -91,15 +93,20 @@ def _run_args(spec: dict) -> dict:
 def _concurrent(cmds: list[list[str]], threads: int, what: str) -> tuple[dict, dict]:
     """Runs the commands at once (each with its own results and checkpoint folder); the slowest one's
     compute and optimizer phases, split 1:2 into forward and backward as their FLOPs are, and its row."""
+    from torch.distributed import TCPStore
+
     from ..results import read_rows
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
+    # the runs meet before every optimizer step, as a job's ranks do (common/distributed.py Lockstep)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if len(cmds) > 1 else None
+    meet = ["--lockstep", f"127.0.0.1:{store.port}:{len(cmds)}"] if store else []
     with tempfile.TemporaryDirectory() as tmp:
         running = []
         for i, cmd in enumerate(cmds):
-            cmd = cmd + ["--results", os.path.join(tmp, f"{i}.csv"), "--save-dir", os.path.join(tmp, f"ck{i}")]
+            cmd = cmd + meet + ["--results", os.path.join(tmp, f"{i}.csv"), "--save-dir", os.path.join(tmp, f"ck{i}")]
             err = open(os.path.join(tmp, f"{i}.err"), "w")  # a file, not a pipe nobody reads while it runs
             running.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err), err))
         codes = [proc.wait() for proc, _ in running]  # all of them, also when one failed
@@ -226,12 +233,16 @@ def _median_pieces(draws: list[list[tuple[float, float]]]) -> list[tuple[float, 
             for i in range(len(draws[0]))]
 
 
-def _links(world: int, device: str, threads: int, max_bytes: str = "16M", repeats: int = 1) -> dict:
+def _links(world: int, device: str, threads: int, max_bytes: str = "16M", repeats: int = 1,
+           taken: tuple = ()) -> dict:
     """The collectives at `world` ranks, fitted per kind; with repeats, each (kind, size)'s median time
-    over the launches (one launch of benchmarks/collectives.py can catch the machine in a slow spell)."""
+    over the launches (one launch of benchmarks/collectives.py can catch the machine in a slow spell).
+    `taken`: launches made earlier in the calibration, counted among the repeats."""
     from ..measure.calibration import fit_link
 
-    times = _median_of(repeats, lambda: (_collectives(world, device, threads, max_bytes), None))[0]
+    taken = iter(taken)
+    times = _median_of(repeats, lambda: (next(taken, None) or _collectives(world, device, threads, max_bytes),
+                                         None))[0]
     return fit_link([(kind, nbytes, t) for (kind, nbytes), t in times.items()], world)
 
 
@@ -309,6 +320,10 @@ def calibrate(opts) -> int:
     for n in worlds:
         procs = 1 if cuda else n
         threads = 1 if cuda else (opts.threads or max(1, cores // n))
+        # with --repeats, the collectives' launches are spread over this world size's entries, not back to
+        # back: a CPU's loopback moved between two states within an hour (all-reduce 0.94-1.57 GB/s), and
+        # launches minutes apart take the median of the state the runs will see
+        early = [_collectives(n, device.type, threads, opts.link_max_bytes)] if n > 1 and opts.repeats > 1 else []
         micro = {max(1, batch // n)} | ({max(1, batch // opts.microbatches)} if opts.microbatches and n > 1 else set())
         for mode in modes:
             for b in sorted(micro):
@@ -332,6 +347,8 @@ def calibrate(opts) -> int:
                 if got:
                     data.setdefault("pieces", {})[k] = got
                     print(f"pieces {k}: " + ", ".join(f"{f:.2f}+{b:.2f} ms" for f, b in got), flush=True)
+        if n > 1 and opts.repeats > 2:
+            early.append(_collectives(n, device.type, threads, opts.link_max_bytes))
         if not opts.no_strategies:  # at 1 too: a --world-sizes 1,2 run's first point is the script alone
             for mode in [m for m in modes if m == "fp32"]:
                 spec = {"model": model, "image_size": image, "batch": max(1, batch // n), "mode": mode,
@@ -342,7 +359,7 @@ def calibrate(opts) -> int:
                     print(f"compute {k}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
                           f"optimizer {got['opt_ms']:.2f} ms", flush=True)
         if n > 1:
-            links = _links(n, device.type, threads, opts.link_max_bytes, opts.repeats)
+            links = _links(n, device.type, threads, opts.link_max_bytes, opts.repeats, tuple(early))
             data["links"][str(n)] = links
             for kind, v in links.items():
                 print(f"link {n} ranks {kind}: latency {v['latency_us']:.1f} us, busbw {v['busbw_gbps']:.3f} GB/s",
