@@ -7,7 +7,8 @@ the ceiling the strategies' busbw_gbps column is compared with (nccl-tests' meth
 
 Message size S as nccl-tests counts it (doc/PERFORMANCE.md): the all-reduce buffer, the all-gather
 output, the reduce-scatter input. Per size: `warmup` untimed calls, then `iters` calls timed
-together (device synchronized, barrier before), time = the slowest rank's mean. algbw = S / time;
+together (device synchronized, barrier before), time = the slowest rank's mean; with --cold each
+call alone, after the caches are evicted (what benchmark.py calibrate uses on a CPU). algbw = S / time;
 busbw = algbw x 2(n-1)/n (all-reduce) or (n-1)/n (all-gather, reduce-scatter), which for a ring
 is what each link carried, comparable across world sizes.
 """
@@ -48,6 +49,20 @@ def op(kind: str, n: int, elems: int, device: torch.device):
     return lambda: dist.reduce_scatter_single(out, inp)
 
 
+def _flush_bytes(cuda: bool) -> int:
+    """Twice the last-level cache, at least 64 MiB: a CPU's as Linux reports it (sysfs cache index3); a
+    GPU's L2 is 50 MiB (H100) to 126 MiB (B200)."""
+    if cuda:
+        return 256 * 1024 ** 2
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as fh:
+            text = fh.read().strip()
+        llc = int(text[:-1]) * UNITS[text[-1].upper()] if text[-1].upper() in UNITS else int(text)
+    except (OSError, ValueError, IndexError):
+        llc = 0
+    return max(64 * 1024 ** 2, 2 * llc)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
@@ -56,6 +71,9 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--kinds", default="all_reduce,all_gather,reduce_scatter,broadcast", help="collectives to time")
+    p.add_argument("--cold", action="store_true", help="evict the caches before every call and time each call "
+                   "alone (barrier first), as a training step's collective meets its buffers: on a CPU a warm loop "
+                   "keeps messages up to the L3's size in cache, which a step's activations have evicted")
     p.add_argument("--json", default="", help="also write the points (kind, S bytes, seconds) here (rank 0)")
     a = p.parse_args()
     cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
@@ -71,6 +89,7 @@ def main():
         print(f"{dist.get_backend()} on {n} ranks ({device.type}); GB/s = 1e9 bytes/s")
         print(f"{'collective':>15} {'S bytes':>12} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
     points = []
+    flush = torch.empty(_flush_bytes(cuda), dtype=torch.uint8, device=device) if a.cold else None
     for kind in a.kinds.split(","):
         s = size(a.min_bytes)
         while s <= size(a.max_bytes):
@@ -80,11 +99,23 @@ def main():
                 call()
             sync(device)
             dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(a.iters):
-                call()
-            sync(device)
-            elapsed = torch.tensor([(time.perf_counter() - t0) / a.iters], dtype=torch.float64, device=device)
+            if a.cold:
+                spent = 0.0
+                for _ in range(a.iters):
+                    flush.add_(1)
+                    sync(device)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    call()
+                    sync(device)
+                    spent += time.perf_counter() - t0
+            else:
+                t0 = time.perf_counter()
+                for _ in range(a.iters):
+                    call()
+                sync(device)
+                spent = time.perf_counter() - t0
+            elapsed = torch.tensor([spent / a.iters], dtype=torch.float64, device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             t = elapsed.item()
             points.append((kind, nbytes, t))

@@ -218,10 +218,11 @@ def test_world_sizes_rows_ddp_volume_and_efficiency(tmp_path):
 
 
 @pytest.mark.slow
-def test_collectives_benchmark_runs():
+@pytest.mark.parametrize("cold", [[], ["--cold"]])  # --cold: what calibrate times on a CPU
+def test_collectives_benchmark_runs(cold):
     proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
                            "--master_port", str(free_port()), "benchmarks/collectives.py", "--device", "cpu",
-                           "--min-bytes", "64K", "--max-bytes", "64K", "--iters", "1", "--warmup", "1"],
+                           "--min-bytes", "64K", "--max-bytes", "64K", "--iters", "1", "--warmup", "1", *cold],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [ln.split()[0] for ln in proc.stdout.splitlines()[2:]] == ["all_reduce", "all_gather", "reduce_scatter",

@@ -226,6 +226,22 @@ def test_step_model_overlap_link_and_sharding():
     assert predict_step(setup("ddp_zero"), C, FAST, overlap=False).comm_ms > ddp_serial.comm_ms  # + broadcasts
 
 
+def test_deepspeed_zero2_all_reduces_its_gradient_buckets():
+    """DeepSpeed 0.19's average_tensor all-reduces each bucket (use_multi_rank_bucket_allreduce, on by
+    default) and each rank keeps its partition; the profiled run shows it (gloo:all_reduce, 3 calls a
+    step). Priced as a reduce-scatter, the gradients' time on a ring is half (bus factor (n-1)/n, not
+    2(n-1)/n): a 4-GPU prediction would hide half of it. With the option off, a reduce per partition."""
+    link = Link({"all_reduce": 1.0, "reduce_scatter": 1.0, "all_gather": 1000.0},
+                {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0})
+    numel = sum(sum(u.params) for u in units("resnet18", 32))
+    got = predict_step(setup("deepspeed_zero2", 4), C, link, overlap=False)
+    # 4 B x numel all-reduced at 1 GB/s with the factor 2 x 3/4, the all-gather ~free
+    assert got.comm_ms == pytest.approx(numel * 4 * 1.5 / 1e9 * 1e3, rel=0.01)
+    off = predict_step(setup("deepspeed_zero2", 4, zero={"use_multi_rank_bucket_allreduce": False}), C, link,
+                       overlap=False)
+    assert off.comm_ms == pytest.approx(numel * 4 * 1.0 / 1e9 * 1e3, rel=0.01)  # reduce: factor 1
+
+
 def test_pipeline_prediction_has_the_bubble():
     """GPipe and 1F1B simulated op by op: with equal stages (m + s - 1) slots of one stage's forward and
     backward (s=2, m=4: 5 slots); with unequal ones (the last stage the slowest) the fill and drain take

@@ -53,7 +53,8 @@ def add_args(p) -> None:
     p.add_argument("--repeats", type=int, default=1, help="launches per compute entry and of the collectives, the "
                    "median kept (a 2-core CPU moves 15-35%% between launches: 3 make the entries steadier, at 3x "
                    "the time)")
-    p.add_argument("--link-max-bytes", default="16M", help="largest collective message timed (K, M, G suffixes)")
+    p.add_argument("--link-max-bytes", default="32M", help="largest collective message timed (K, M, G suffixes); "
+                   "past the largest the fit extrapolates (resnet18's gradients are 45 MiB, resnet50's 98)")
     p.add_argument("--no-strategies", action="store_true", help="skip the distributed runs of the preset on one "
                    "process (each strategy's own host work; fp32)")
     p.add_argument("--out", default=os.path.join("results", "calibration.json"), help="the calibration file")
@@ -233,7 +234,7 @@ def _median_pieces(draws: list[list[tuple[float, float]]]) -> list[tuple[float, 
             for i in range(len(draws[0]))]
 
 
-def _links(world: int, device: str, threads: int, max_bytes: str = "16M", repeats: int = 1,
+def _links(world: int, device: str, threads: int, max_bytes: str = "32M", repeats: int = 1,
            taken: tuple = ()) -> dict:
     """The collectives at `world` ranks, fitted per kind; with repeats, each (kind, size)'s median time
     over the launches (one launch of benchmarks/collectives.py can catch the machine in a slow spell).
@@ -253,7 +254,8 @@ def _collectives(world: int, device: str, threads: int, max_bytes: str) -> dict:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(world),
                "--master_port", str(_free_port()), os.path.join(ROOT, "benchmarks", "collectives.py"),
-               "--device", device, "--min-bytes", "16K", "--max-bytes", max_bytes, "--iters", "10", "--json", out]
+               "--device", device, "--min-bytes", "16K", "--max-bytes", max_bytes, "--iters", "10", "--json", out,
+               *(["--cold"] if device == "cpu" else [])]  # a step's collectives find their buffers out of cache
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode or not os.path.exists(out):
             raise UsageError(f"benchmarks/collectives.py at {world} ranks failed: {_error_line(proc.stderr)}")
