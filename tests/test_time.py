@@ -445,6 +445,7 @@ def test_calibrate_fits_the_median_collectives_of_its_repeats(monkeypatch):
     draws = iter([launch(4e-3), launch(1e-3), launch(2e-3)])
 
     def fake_run(cmd, **kw):
+        assert "--cold" in cmd  # a CPU step's collectives find their buffers evicted (docs/time.md)
         with open(cmd[cmd.index("--json") + 1], "w") as fh:
             json.dump(next(draws), fh)
         return types.SimpleNamespace(returncode=0, stderr="")
