@@ -269,10 +269,13 @@ class Lockstep:
         try:
             host, port, n = spec.rsplit(":", 2)
             self.n = int(n)
+            if self.n < 1:
+                raise ValueError("N must be at least 1")
             self.store = dist.TCPStore(host, int(port), is_master=False,
                                        timeout=datetime.timedelta(seconds=timeout_s))
-        except ValueError as exc:
-            raise UsageError(f"--lockstep {spec!r}: HOST:PORT:N of a running TCPStore ({exc})") from None
+        except (ValueError, RuntimeError) as exc:  # DistNetworkError is a RuntimeError
+            raise UsageError(f"--lockstep {spec!r}: HOST:PORT:N of a running TCPStore "
+                             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         self.k = 0
 
     def wait(self) -> None:

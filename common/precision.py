@@ -40,9 +40,10 @@ def steady_host_allocator() -> bool:
     (mallopt(3)); memory a step frees stays with the process, as torch's CPU launcher arranges with
     jemalloc (torch/backends/xeon/run_cpu.py: dirty_decay_ms and muzzy_decay_ms at 9e9).
     Chunks above the ceiling would still be mmapped and unmapped at every allocation: gloo's temporaries
-    for a 45 MiB all-gather or reduce-scatter (DeepSpeed's ZeRO-1/2 of resnet18), whose time that doubled
-    (2 ranks: 42 ms, 19-22 with these). M_MMAP_MAX = 0 serves them from the heap too; a request a thread's
-    arena cannot hold falls back to the main one (glibc malloc.c, arena_get_retry). False where the C
+    for a 45 MiB all-gather or reduce-scatter (DeepSpeed's ZeRO-1/2 of resnet18 all-gathers that size),
+    whose time that doubled (2 ranks: 42 ms, 19-22 with these). M_MMAP_MAX = 0 serves them from the heap
+    too; a request a thread's arena cannot hold falls back to the main one (glibc malloc.c,
+    arena_get_retry). False where the C
     library has no mallopt (macOS, Windows) or refuses a value."""
     import ctypes
 

@@ -218,7 +218,9 @@ class TimedWindow:
 
     def meet(self) -> None:
         """Before an optimizer step, with --lockstep: the wait for the other runs is 'other' time. Once per
-        step: an engine stepped inside backward met them there, the loop's own step call then does not."""
+        step: an engine stepped inside backward met them there, the loop's own step call then does not.
+        (Such an engine is only accelerate's DeepSpeed, which takes no --grad-accum: a step inside the
+        backward of every micro-batch would otherwise meet at the first micro-batch.)"""
         if self.lockstep is not None and not self.met:
             self.lockstep.wait()
             self.mark("other")

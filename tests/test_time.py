@@ -105,8 +105,9 @@ def test_a_step_run_inside_backward_is_timed_as_the_optimizer(monkeypatch):
 
 def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypatch):
     """--lockstep HOST:PORT:N (calibrate's concurrent one-process runs): the run waits before each optimizer
-    step, also one the engine takes inside backward, for a partner that arrives 50 ms late each time; the
-    wait is 'other' time, never the optimizer's or compute's (the phases calibrate reads)."""
+    step, also one the engine takes inside backward, for a partner that arrives 50 ms late each time; every
+    step, warm-up included, finds both arrivals counted; the wait is 'other' time, never the optimizer's
+    or compute's (the phases calibrate reads)."""
     import threading
 
     from torch.distributed import TCPStore
@@ -120,17 +121,24 @@ def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypa
 
     def run(inside: bool) -> dict:
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        spec = f"127.0.0.1:{store.port}:2"
+        spec, errors, steps = f"127.0.0.1:{store.port}:2", [], []
 
         def partner():
-            peer = Lockstep(spec, timeout_s=10)
-            for _ in range(5):
-                time.sleep(0.050)
-                peer.wait()
+            try:
+                peer = Lockstep(spec, timeout_s=10)
+                for _ in range(5):
+                    time.sleep(0.050)
+                    peer.wait()
+            except Exception as exc:  # noqa: BLE001 - reported by the test below
+                errors.append(exc)
+
+        def step():  # the optimizer step k comes after the k-th meeting, not before it
+            key = f"arrived{len(steps)}"
+            steps.append(store.check([key]) and store.get(key))
 
         mate = threading.Thread(target=partner, daemon=True)
         mate.start()
-        engine = type("Engine", (), {"step": lambda self: None})()
+        engine = type("Engine", (), {"step": lambda self: step()})()
 
         def backward(loss):
             loss.backward()
@@ -139,11 +147,13 @@ def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypa
 
         cfg = TrainConfig(epochs=1, timing_warmup_steps=1, log_every=0, batch_size=4, loader_probe_batches=0,
                           lockstep=spec)
-        hooks = TrainHooks(backward, lambda: None, torch.device("cpu"), evaluate=lambda *a, **k: (0.5, 10),
-                           step_inside_backward=engine if inside else None)
+        hooks = TrainHooks(backward, (lambda: None) if inside else step, torch.device("cpu"),
+                           evaluate=lambda *a, **k: (0.5, 10), step_inside_backward=engine if inside else None)
         parts.clear()
         out = fit(cfg, TinyNet(), SlowBatches(5, 0.0), None, hooks).extra
         mate.join(timeout=10)
+        assert not mate.is_alive() and not errors, errors
+        assert steps == [b"2"] * 5, steps
         return out
 
     for inside in (False, True):
@@ -151,6 +161,22 @@ def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypa
         assert got["step_other_ms"] >= 40.0, got
         assert got["step_optimizer_ms"] < 10.0 and got["step_compute_ms"] < 20.0, got
         assert sum(got[c] for c in PARTS) == pytest.approx(got["step_ms_mean"], abs=0.01)
+
+
+def test_calibrate_stops_the_other_runs_when_one_fails():
+    """In lockstep the others would wait for a failed run until the store's timeout (300 s): they are
+    stopped, and the one that failed first is the one reported."""
+    import subprocess
+    import sys
+
+    from common.bench.calibrate import _wait_all
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True),
+             subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(0.3); sys.exit(3)"],
+                              start_new_session=True)]
+    t0 = time.perf_counter()
+    assert _wait_all(procs) == 1
+    assert time.perf_counter() - t0 < 10 and procs[0].returncode == -9 and procs[1].returncode == 3
 
 
 class FakeComm:

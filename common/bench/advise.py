@@ -102,8 +102,20 @@ def setups(opts) -> list[Setup]:
             continue
         precision = {"single": "fp32", "dp": "fp32", "half": half, "amp": half}.get(st, opts.precision)
         world = 1 if st in SINGLE else opts.gpus
-        out.append(replace(base, strategy=st, precision=precision, world_size=world))
+        zero = _zero_json(int(st[len("deepspeed_zero")])) if st.startswith("deepspeed_zero") else base.zero
+        out.append(replace(base, strategy=st, precision=precision, world_size=world, zero=zero))
     return out
+
+
+def _zero_json(stage: int) -> dict:
+    """The zero_optimization section pytorch_DeepSpeed.py trains with at that stage
+    (config/zero_stage<k>_config.json): ZeRO-1's sets no overlap_comm, ZeRO-2's does."""
+    import json
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "config", f"zero_stage{stage}_config.json")) as fh:
+        return json.load(fh).get("zero_optimization", {})
 
 
 def _tp_setups(base: Setup, strategy: str, opts) -> list[Setup]:

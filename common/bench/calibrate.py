@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -109,11 +110,13 @@ def _concurrent(cmds: list[list[str]], threads: int, what: str) -> tuple[dict, d
         for i, cmd in enumerate(cmds):
             cmd = cmd + meet + ["--results", os.path.join(tmp, f"{i}.csv"), "--save-dir", os.path.join(tmp, f"ck{i}")]
             err = open(os.path.join(tmp, f"{i}.err"), "w")  # a file, not a pipe nobody reads while it runs
-            running.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err), err))
-        codes = [proc.wait() for proc, _ in running]  # all of them, also when one failed
+            running.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                             start_new_session=True), err))
+        failed = _wait_all([proc for proc, _ in running])
         got = []
-        for i, ((_, err), code) in enumerate(zip(running, codes)):
+        for i, (proc, err) in sorted(enumerate(running), key=lambda x: x[0] != failed):  # the first to fail first
             err.close()
+            code = proc.returncode
             path = os.path.join(tmp, f"{i}.csv")
             rows = read_rows(path) if os.path.exists(path) else []
             if code or not rows or rows[-1]["status"] != "ok":
@@ -123,6 +126,30 @@ def _concurrent(cmds: list[list[str]], threads: int, what: str) -> tuple[dict, d
     compute = max(float(r["step_compute_ms"]) for r in got)
     opt = max(float(r["step_optimizer_ms"]) for r in got)
     return {"fwd_ms": compute / 3, "bwd_ms": 2 * compute / 3, "opt_ms": opt}, got[0]
+
+
+def _wait_all(procs: list) -> int | None:
+    """Waits for every process; when one fails the others are stopped (in lockstep they would wait for it
+    until the store's timeout). The index of the first that failed, or None."""
+    import time
+
+    def stop_all():
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # the launcher and its ranks (their own session)
+
+    failed = None
+    try:
+        while any(p.poll() is None for p in procs):
+            if failed is None:
+                failed = next((i for i, p in enumerate(procs) if p.poll()), None)
+                if failed is not None:
+                    stop_all()
+            time.sleep(0.05)
+    except BaseException:  # Ctrl-C: the runs are in sessions of their own and would not see it
+        stop_all()
+        raise
+    return failed if failed is not None else next((i for i, p in enumerate(procs) if p.returncode), None)
 
 
 def _strategy_runs(opts, spec: dict, n: int, gpus: int, threads: int, procs: int) -> list[tuple[str, dict]]:

@@ -315,8 +315,10 @@ EXPECTED = [  # (strategy prefix, weights x B, gradients x B, what is sent), fir
     ("fsdp_shard-grad-op", 1.0, 1.0, "all-gather forward + reduce-scatter the gradients"),
     ("accelerate_fsdp", 2.0, 1.0, "full-shard (config/default_FSDP.yml): 2 all-gathers + reduce-scatter"),
     ("deepspeed_zero0", 0.0, 1.0, "all-reduce the gradients"),
-    ("deepspeed_zero1", 1.0, 1.0, "reduce(-scatter) the gradients + all-gather the updated weights"),
-    ("deepspeed_zero2", 1.0, 1.0, "reduce(-scatter) the gradients + all-gather the updated weights"),
+    # DeepSpeed 0.19 all-reduces each gradient bucket (average_tensor, use_multi_rank_bucket_allreduce on by
+    # default): the same S as a reduce-scatter, twice its bytes per link
+    ("deepspeed_zero1", 1.0, 1.0, "all-reduce the gradient buckets + all-gather the updated weights"),
+    ("deepspeed_zero2", 1.0, 1.0, "all-reduce the gradient buckets + all-gather the updated weights"),
     ("deepspeed_zero3", 2.0, 1.0, "all-gather forward + all-gather backward + reduce-scatter the gradients"),
     ("accelerate_deepspeed_zero1", 1.0, 1.0, "as deepspeed_zero1"),
     ("accelerate_deepspeed_zero2", 1.0, 1.0, "as deepspeed_zero2"),

@@ -10,7 +10,8 @@ the previous mark to its own, so the phases tile the window and their sum is the
   step_comm_exposed_ms  communication during which the training thread ran no compute: collectives
                         it waited for (DDP's last buckets, FSDP's unprefetched gathers, ZeRO's
                         broadcasts, a pipeline's receives)
-  step_other_ms         the rest: the loop's bookkeeping, progress lines, the non-finite check
+  step_other_ms         the rest: the loop's bookkeeping, progress lines, the non-finite check (and,
+                        with --lockstep, the wait for the other runs)
   step_ms_mean          their sum: the window's time per optimizer step (what throughput inverts)
 Each is per optimizer step, the mean over the window's steps, then the mean over ranks.
 

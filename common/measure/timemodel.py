@@ -20,12 +20,13 @@ order; a collective starts when its inputs are ready and the link is free:
                          ahead of the device), again before its backward (prefetched one unit ahead,
                          FSDP2's default), a reduce-scatter after it; the optimizer on 1/n
   fsdp_shard-grad-op     the same without the backward all-gathers (reshard_after_forward=False)
-  deepspeed_zero1/2      gradients all-reduced in reduce_bucket_size buckets as they are ready
-                         (overlap_comm), each rank keeping its partition (average_tensor: with
+  deepspeed_zero1/2      gradients all-reduced in reduce_bucket_size buckets as they are ready,
+                         each rank keeping its partition (average_tensor: with
                          use_multi_rank_bucket_allreduce, True by default in deepspeed/runtime/zero/
                          config.py, a bucket is one all-reduce; False: a reduce to each partition's
-                         owner), the optimizer on 1/n, then the updated weights all-gathered
-                         (deepspeed/runtime/zero/stage_1_and_2.py)
+                         owner), hidden under the backward only with overlap_comm (off by default
+                         for stages 1-2: then after it), the optimizer on 1/n, then the updated weights
+                         all-gathered (deepspeed/runtime/zero/stage_1_and_2.py)
   deepspeed_zero3        as fsdp_full-shard, units as above
   dp                     (one process, n GPUs) weights broadcast and gradients reduced, not overlapped
   tp, tp_fsdp            the tp rank's share of the FLOPs, plus 4 activation all-reduces per block and
@@ -252,11 +253,17 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
                         "accelerate_deepspeed_zero2")):
         _, bwd = _forward_backward(s, us, c)
         params = [(i, x) for i, u in enumerate(us) for x in u.params]
-        cap = int(setup.zero.get("reduce_bucket_size", DS_REDUCE_BUCKET)) * g_bytes
-        kind = "all_reduce" if setup.zero.get("use_multi_rank_bucket_allreduce", True) else "reduce"
+        z = setup.zero
+        cap = int(z.get("reduce_bucket_size", DS_REDUCE_BUCKET)) * g_bytes
+        # average_tensor: reduce_scatter=False all-reduces the whole bucket whatever the other option says
+        kind = "reduce" if z.get("reduce_scatter", True) and not z.get("use_multi_rank_bucket_allreduce", True) \
+            else "all_reduce"
+        # overlap_comm defaults to stage 3 only (zero/config.py overlap_comm_valid): without it ZeRO-1 reduces
+        # after the backward (engine.allreduce_gradients), and ZeRO-2's hooks reduce on the compute stream
+        hidden = bool(z.get("overlap_comm", False))
         prev = ()
         for unit, nbytes in _buckets(params, g_bytes, cap, cap):
-            prev = (s.add("comm", link.ms(kind, nbytes, n), (bwd[unit], *prev)),)
+            prev = (s.add("comm", link.ms(kind, nbytes, n), (bwd[unit if hidden else 0], *prev)),)
         shard = 1.0 / n
         post = link.ms("all_gather", numel * w_bytes, n)
     elif st in ("tp", "tp_fsdp"):
