@@ -160,7 +160,8 @@ def test_gpu_loader_draws_augmentation_per_rank():
 @pytest.mark.parametrize("per_rank, op, want", [(8, "sum", 2 * 100.0), (16, "max", 50.0)])
 def test_loader_rate_over_ranks(monkeypatch, per_rank, op, want):
     """Data parallel: each of 2 ranks reads 8 of the global 16, and the pipeline's rate is their sum.
-    A pipeline's stages each read all 16 (pytorch_PP.py): the rate is the slowest rank's, not 2x."""
+    A pipeline's stages each read all 16 (pytorch_PP.py): the rate is the slowest rank's, not 2x. The ranks
+    start together (a barrier): one that probed while another built its model measured a sixth of the rate."""
     from types import SimpleNamespace
 
     import common.measure.loader as loader_mod
@@ -174,6 +175,7 @@ def test_loader_rate_over_ranks(monkeypatch, per_rank, op, want):
 
     monkeypatch.setattr(loader_mod, "world_size", lambda: 2)
     monkeypatch.setattr(loader_mod, "reduce_metrics", fake_reduce)
+    monkeypatch.setattr(loader_mod, "barrier", lambda: calls.append("barrier"))  # the ranks start together
     clock = iter(range(100))
     monkeypatch.setattr(loader_mod.time, "perf_counter", lambda: next(clock) * per_rank / 100.0)
     batches = [(torch.zeros(per_rank, 3, 2, 2), torch.zeros(per_rank)) for _ in range(4)]
@@ -182,4 +184,4 @@ def test_loader_rate_over_ranks(monkeypatch, per_rank, op, want):
     monkeypatch.setattr("common.checkpoint.rng_state", lambda loader: None)
     monkeypatch.setattr("common.checkpoint.set_rng_state", lambda state, loader: None)
     rate = loader_mod.probe_loader(batches, cfg, hooks)
-    assert calls == [op] and rate == pytest.approx(want)
+    assert calls == ["barrier", op] and rate == pytest.approx(want)

@@ -105,7 +105,7 @@ def test_a_step_run_inside_backward_is_timed_as_the_optimizer(monkeypatch):
 
 def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypatch):
     """--lockstep HOST:PORT:N (calibrate's concurrent one-process runs): the run waits before each optimizer
-    step, also one the engine takes inside backward, for a partner that arrives 50 ms late each time; every
+    step, also one the engine takes inside backward, for a partner that arrives 100 ms late each time; every
     step, warm-up included, finds both arrivals counted; the wait is 'other' time, never the optimizer's
     or compute's (the phases calibrate reads)."""
     import threading
@@ -127,7 +127,7 @@ def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypa
             try:
                 peer = Lockstep(spec, timeout_s=10)
                 for _ in range(5):
-                    time.sleep(0.050)
+                    time.sleep(0.100)  # the run's own step takes 1-12 ms (reference kernels): it waits the rest
                     peer.wait()
             except Exception as exc:  # noqa: BLE001 - reported by the test below
                 errors.append(exc)
@@ -158,7 +158,7 @@ def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypa
 
     for inside in (False, True):
         got = run(inside)
-        assert got["step_other_ms"] >= 40.0, got
+        assert got["step_other_ms"] >= 50.0, got
         assert got["step_optimizer_ms"] < 10.0 and got["step_compute_ms"] < 20.0, got
         assert sum(got[c] for c in PARTS) == pytest.approx(got["step_ms_mean"], abs=0.01)
 
