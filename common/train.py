@@ -129,6 +129,7 @@ class TimedWindow:
                  steps: int = 0, total_steps: int | None = None, lockstep: Lockstep | None = None):
         self.opens_at, self.device, self.total_steps = opens_at, device, total_steps
         self.lockstep, self.met = lockstep, False
+        self.waited_s = 0.0  # in the window, at the lockstep's meetings
         self.instruments = [i for i in instruments if not i.outside_window]
         self.parts = next((i for i in instruments if isinstance(i, StepParts)), None)
         self.before = [i for i in instruments if i.outside_window]  # not run yet in this process
@@ -220,9 +221,13 @@ class TimedWindow:
         """Before an optimizer step, with --lockstep: the wait for the other runs is 'other' time. Once per
         step: an engine stepped inside backward met them there, the loop's own step call then does not.
         (Such an engine is only accelerate's DeepSpeed, which takes no --grad-accum: a step inside the
-        backward of every micro-batch would otherwise meet at the first micro-batch.)"""
+        backward of every micro-batch would otherwise meet at the first micro-batch.) The window's wait per
+        step goes to the row's notes ("lockstep wait X ms per step"): calibrate's sync_ms."""
         if self.lockstep is not None and not self.met:
+            t = time.perf_counter()
             self.lockstep.wait()
+            if self.running:
+                self.waited_s += time.perf_counter() - t
             self.mark("other")
             self.met = True
 
@@ -250,6 +255,8 @@ class TimedWindow:
             cols = i.row()
             notes += [cols.pop("notes")] if cols.get("notes") else []
             row.update(cols)
+        if self.lockstep is not None and self.steps:  # calibrate reads it (common/bench/calibrate.py _concurrent)
+            notes.append(f"lockstep wait {1e3 * self.waited_s / self.steps:.3f} ms per step")
         return {**row, "notes": "; ".join(notes) or None}
 
 

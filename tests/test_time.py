@@ -156,9 +156,14 @@ def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypa
         assert steps == [b"2"] * 5, steps
         return out
 
+    import re
+
     for inside in (False, True):
         got = run(inside)
         assert got["step_other_ms"] >= 50.0, got
+        # the window's wait alone, for calibrate's sync_ms: most of 'other', never more
+        waited = float(re.search(r"lockstep wait ([0-9.]+) ms per step", got["notes"]).group(1))
+        assert 50.0 <= waited <= got["step_other_ms"] + 0.01, got
         assert got["step_optimizer_ms"] < 10.0 and got["step_compute_ms"] < 20.0, got
         assert sum(got[c] for c in PARTS) == pytest.approx(got["step_ms_mean"], abs=0.01)
 
@@ -252,6 +257,44 @@ def test_step_model_overlap_link_and_sharding():
     assert predict_step(setup("ddp_zero"), C, FAST, overlap=False).comm_ms > ddp_serial.comm_ms  # + broadcasts
 
 
+def test_ranks_that_vary_wait_at_their_synchronizing_collective():
+    """Compute.sync_ms (the least mean wait of calibrate's lockstep runs) is exposed communication of every
+    step of n > 1 ranks that meet at a collective; one process and a pipeline's stages do not add it."""
+    synced = Compute(fwd_ms=20.0, bwd_ms=40.0, opt_ms=6.0, sync_ms=5.0)
+    for st in ("ddp", "ddp_zero", "fsdp_full-shard", "deepspeed_zero2", "deepspeed_zero3", "accelerate_ddp"):
+        a, b = (predict_step(setup(st), c, FAST, overlap=False) for c in (C, synced))
+        assert b.comm_exposed_ms - a.comm_exposed_ms == pytest.approx(5.0), st
+        assert b.step_ms - a.step_ms == pytest.approx(5.0), st
+    assert predict_step(setup("single", 1), synced, Link(), overlap=False).step_ms == pytest.approx(66.0)
+    assert predict_step(setup("ddp", 1), synced, FAST, overlap=False).step_ms == pytest.approx(66.0)
+    pp = [predict_step(setup("ddp"), c, FAST, overlap=False, strategy="pp_gpipe", microbatches=2, stages=[2, 2])
+          for c in (C, synced)]
+    assert pp[0].step_ms == pytest.approx(pp[1].step_ms)
+
+
+def test_calibrate_takes_the_least_lockstep_wait():
+    """The excess of a synchronous step over the slowest run's mean is the least of the runs' mean waits
+    (calibrate.py _sync_ms); one run, or a run without the note, gives none."""
+    from common.bench.calibrate import _sync_ms
+
+    note = "pred_step_ms: no calibration; lockstep wait {} ms per step"
+    assert _sync_ms([{"notes": note.format(7.25)}, {"notes": note.format(1.5)}]) == 1.5
+    assert _sync_ms([{"notes": note.format(7.25)}]) == 0.0
+    assert _sync_ms([{"notes": note.format(7.25)}, {"notes": None}]) == 0.0
+
+
+def test_deepspeed_adds_the_gradient_norms_all_reduce():
+    """Every DeepSpeed stage all-reduces the gradient norm's one element before its step (stage_1_and_2.py
+    get_grad_norm_direct, stage3.py _get_norm_groups; compute_grad_norm on by default): one latency more
+    than its buckets and gathers. The profiled ZeRO-2 run shows it: 3 calls a step for one bucket."""
+    lat = Link({"all_reduce": 1e6, "all_gather": 1e6}, {"all_reduce": 1000.0, "all_gather": 500.0})
+    # resnet18's 44.7 MB of gradients in one 50M-element bucket: its all-reduce, the norm's, one all-gather
+    assert predict_step(setup("deepspeed_zero2"), C, lat, overlap=False).comm_ms == pytest.approx(2.5, abs=0.01)
+    fsdp, zero3 = (predict_step(setup(st), C, lat, overlap=False).comm_ms for st in ("fsdp_full-shard",
+                                                                                       "deepspeed_zero3"))
+    assert zero3 - fsdp == pytest.approx(1.0, abs=0.01)
+
+
 def test_deepspeed_zero2_all_reduces_its_gradient_buckets():
     """DeepSpeed 0.19's average_tensor all-reduces each bucket (use_multi_rank_bucket_allreduce, on by
     default) and each rank keeps its partition; the profiled run shows it (gloo:all_reduce, 3 calls a
@@ -338,6 +381,40 @@ def test_link_fit_recovers_latency_and_bandwidth():
     points = [("all_reduce", s, 30e-6 + s * 1.0 / 2e9) for s in (2 ** k for k in range(14, 25))]  # 2 ranks: factor 1
     got = fit_link(points, 2)["all_reduce"]
     assert got["latency_us"] == pytest.approx(30.0, rel=1e-3) and got["busbw_gbps"] == pytest.approx(2.0, rel=1e-3)
+
+
+def test_link_interpolates_the_measured_sizes_and_extends_past_them():
+    """A calibrated kind's time is the measured table (gloo's all-gather on 2 cores: 20.5 ms at 32 MiB, 67.5
+    at 64, not a line); below the smallest size and for an unmeasured kind the fitted line; past the largest
+    the last point plus the fitted bandwidth. fit_link keeps the points and find_link hands them over."""
+    from common.measure.calibration import find_link
+
+    mib = 1024 ** 2
+    pts = [("all_gather", s * mib, t / 1e3) for s, t in ((1, 1.0), (32, 20.5), (64, 67.5))]
+    fitted = fit_link(pts, 2)
+    link = find_link({"links": {"2": fitted}}, 2)
+    assert link.points["all_gather"] == [(mib, 1.0), (32 * mib, 20.5), (64 * mib, 67.5)]
+    assert link.ms("all_gather", 48 * mib, 2) == pytest.approx(44.0)  # halfway: between the two neighbours
+    assert link.ms("all_gather", 32 * mib, 2) == pytest.approx(20.5)
+    bw = fitted["all_gather"]["busbw_gbps"]
+    assert link.ms("all_gather", 80 * mib, 2) == pytest.approx(67.5 + 16 * mib * 0.5 / (bw * 1e9) * 1e3)
+    line = Link(link.busbw_gbps, link.latency_us)
+    assert link.ms("all_gather", 1024, 2) == pytest.approx(line.ms("all_gather", 1024, 2))
+    unmeasured = Link({**link.busbw_gbps, "all_reduce": 1.0}, {**link.latency_us, "all_reduce": 0.0},
+                      points=link.points)
+    assert unmeasured.ms("all_reduce", 48 * mib, 2) == pytest.approx(48 * mib / 1e9 * 1e3)
+    assert link.ms("all_gather", 48 * mib, 1) == 0.0
+
+
+def test_calibrate_times_collectives_up_to_the_models_whole_gradient():
+    """--link-max-bytes auto: the power of two at or above the model's fp32 parameters, at least 32 MiB
+    (DeepSpeed's one bucket and its all-gather carry them whole)."""
+    from common.bench.calibrate import _link_max
+
+    assert _link_max("auto", "resnet18", 32) == "64M"  # 44.7 MB
+    assert _link_max("auto", "resnet50", 32) == "128M"  # 102 MB
+    assert _link_max("auto", "mobilenet_v2", 32) == "32M"  # 14 MB
+    assert _link_max("8M", "resnet50", 32) == "8M"
 
 
 def test_calibration_lookup_exact_scaled_and_refused():
@@ -516,6 +593,9 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
                                     key("resnet18", 32, 8, "fp32", "sgd", 2, 1),
                                     key("resnet18", 32, 8, "fp32@ddp", "sgd", 2, 1)}
     assert {"all_reduce", "all_gather", "reduce_scatter", "broadcast"} <= set(data["links"]["2"])
+    # the two processes' least wait in lockstep (each meeting is a store round trip: never 0); one has none
+    for k, v in data["compute"].items():
+        assert (v["sync_ms"] > 0) == ("|p2|" in k), (k, v)
     # a pipeline micro-batch of 16 / 2: the four pieces, each with a forward and a backward time
     (pieces,) = data["pieces"].values()
     assert list(data["pieces"]) == [key("resnet18", 32, 8, "fp32", "-", 1, 1)]

@@ -47,7 +47,8 @@ def inputs(opts, setup):
             _calibrated(*fields, mode, setup.optimizer, procs)
         if got is None:
             return None
-        compute = Compute(got["fwd_ms"], got["bwd_ms"], got["opt_ms"], 0.0, f"calibrated on {data['device_name']}")
+        compute = Compute(got["fwd_ms"], got["bwd_ms"], got["opt_ms"], 0.0, f"calibrated on {data['device_name']}",
+                          got.get("sync_ms", 0.0))
         overlap = cuda
     if setup.world_size <= 1:
         from ..measure.timemodel import Link

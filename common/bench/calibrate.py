@@ -54,8 +54,9 @@ def add_args(p) -> None:
     p.add_argument("--repeats", type=int, default=1, help="launches per compute entry and of the collectives, the "
                    "median kept (a 2-core CPU moves 15-35%% between launches: 3 make the entries steadier, at 3x "
                    "the time)")
-    p.add_argument("--link-max-bytes", default="32M", help="largest collective message timed (K, M, G suffixes); "
-                   "past the largest the fit extrapolates (resnet18's gradients are 45 MiB, resnet50's 98)")
+    p.add_argument("--link-max-bytes", default="auto", help="largest collective message timed (K, M, G suffixes); "
+                   "auto: the power of two at or above the model's fp32 parameter bytes, at least 32M (DeepSpeed "
+                   "all-reduces and all-gathers them whole: resnet18's 45 MB, 64M; resnet50's 102 MB, 128M)")
     p.add_argument("--no-strategies", action="store_true", help="skip the distributed runs of the preset on one "
                    "process (each strategy's own host work; fp32)")
     p.add_argument("--out", default=os.path.join("results", "calibration.json"), help="the calibration file")
@@ -125,7 +126,20 @@ def _concurrent(cmds: list[list[str]], threads: int, what: str) -> tuple[dict, d
             got.append(rows[-1])
     compute = max(float(r["step_compute_ms"]) for r in got)
     opt = max(float(r["step_optimizer_ms"]) for r in got)
-    return {"fwd_ms": compute / 3, "bwd_ms": 2 * compute / 3, "opt_ms": opt}, got[0]
+    return {"fwd_ms": compute / 3, "bwd_ms": 2 * compute / 3, "opt_ms": opt, "sync_ms": _sync_ms(got)}, got[0]
+
+
+def _sync_ms(rows: list[dict]) -> float:
+    """The least lockstep wait per step among the runs (0 for one run). The model's step is the slowest
+    run's mean work; a synchronous step is the mean of the step-by-step maximum, larger when the runs vary
+    from step to step. Run i waits max_j(a_j) - a_i per step, so the mean step is E[a_i] + E[wait_i] for
+    every i, and its excess over max_i E[a_i] is min_i E[wait_i] (two lockstep DeepSpeed ZeRO-2 runs on
+    2 cores: 3-4 ms of a 245 ms step; the plain model's: 0.5-0.9)."""
+    import re
+
+    waits = [float(m.group(1)) for r in rows
+             for m in [re.search(r"lockstep wait ([0-9.]+) ms per step", r.get("notes") or "")] if m]
+    return min(waits) if len(waits) == len(rows) > 1 else 0.0
 
 
 def _wait_all(procs: list) -> int | None:
@@ -290,6 +304,21 @@ def _collectives(world: int, device: str, threads: int, max_bytes: str) -> dict:
             return {(kind, nbytes): t for kind, nbytes, t in json.load(fh)["points"]}
 
 
+def _link_max(text: str, model: str, image: int) -> str:
+    """--link-max-bytes: as given, or (auto) the power of two at or above the model's fp32 parameter bytes
+    and at least 32 MiB: the largest message of a run (DeepSpeed's whole-model bucket and all-gather) is
+    then measured, not extrapolated."""
+    if text != "auto":
+        return text
+    from ..measure.timemodel import units
+
+    nbytes = 4 * sum(sum(u.params) for u in units(model, image))
+    size = 32 * 1024 ** 2
+    while size < nbytes:
+        size *= 2
+    return f"{size // 1024 ** 2}M"
+
+
 def _error_line(stderr: str) -> str:
     """The exception's line of a failed launch, not a launcher's warning printed after it."""
     lines = stderr.strip().splitlines() or ["?"]
@@ -341,6 +370,7 @@ def calibrate(opts) -> int:
         raise UsageError(f"--steps {opts.steps}: at least 1 timed step")
     if opts.repeats < 1:
         raise UsageError(f"--repeats {opts.repeats}: at least 1 launch")
+    max_bytes = _link_max(opts.link_max_bytes, model, image)
     data = load(opts.out) or {}
     timed = set()
     fp = fingerprint(device)
@@ -352,7 +382,7 @@ def calibrate(opts) -> int:
         # with --repeats, the collectives' launches are spread over this world size's entries, not back to
         # back: a CPU's loopback moved between two states within an hour (all-reduce 0.94-1.57 GB/s), and
         # launches minutes apart take the median of the state the runs will see
-        early = [_collectives(n, device.type, threads, opts.link_max_bytes)] if n > 1 and opts.repeats > 1 else []
+        early = [_collectives(n, device.type, threads, max_bytes)] if n > 1 and opts.repeats > 1 else []
         micro = {max(1, batch // n)} | ({max(1, batch // opts.microbatches)} if opts.microbatches and n > 1 else set())
         for mode in modes:
             for b in sorted(micro):
@@ -377,7 +407,7 @@ def calibrate(opts) -> int:
                     data.setdefault("pieces", {})[k] = got
                     print(f"pieces {k}: " + ", ".join(f"{f:.2f}+{b:.2f} ms" for f, b in got), flush=True)
         if n > 1 and opts.repeats > 2:
-            early.append(_collectives(n, device.type, threads, opts.link_max_bytes))
+            early.append(_collectives(n, device.type, threads, max_bytes))
         if not opts.no_strategies:  # at 1 too: a --world-sizes 1,2 run's first point is the script alone
             for mode in [m for m in modes if m == "fp32"]:
                 spec = {"model": model, "image_size": image, "batch": max(1, batch // n), "mode": mode,
@@ -388,7 +418,7 @@ def calibrate(opts) -> int:
                     print(f"compute {k}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
                           f"optimizer {got['opt_ms']:.2f} ms", flush=True)
         if n > 1:
-            links = _links(n, device.type, threads, opts.link_max_bytes, opts.repeats, tuple(early))
+            links = _links(n, device.type, threads, max_bytes, opts.repeats, tuple(early))
             data["links"][str(n)] = links
             for kind, v in links.items():
                 print(f"link {n} ranks {kind}: latency {v['latency_us']:.1f} us, busbw {v['busbw_gbps']:.3f} GB/s",

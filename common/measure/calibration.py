@@ -9,8 +9,12 @@ results/calibration.json holds, with the machine's fingerprint (device name, CPU
            that many ranks gets (benchmark.py's OMP_NUM_THREADS rule): two ranks on two cores compete
            for the cores and the memory bandwidth as the real run's ranks do; the slowest process
            counts. On a GPU one process measures (each rank has its own device).
+           The processes meet before every optimizer step (--lockstep); sync_ms is the least of their
+           mean waits there: what the step-to-step variation of n ranks adds to a synchronous step
+           beyond the slowest one's mean (calibrate.py _sync_ms; 0 for one process, absent before).
   links    per world size: latency (us) and bus bandwidth (GB/s) of each collective, fitted to
-           benchmarks/collectives.py over message sizes (t = latency + S x bus factor / busbw).
+           benchmarks/collectives.py over message sizes (t = latency + S x bus factor / busbw), and the
+           measured points [S bytes, ms] the model interpolates (the fit below and beyond them).
   compute entries whose mode reads "fp32@<strategy>" (fp32@fsdp_full-shard, fp32@deepspeed_zero2, ...):
            the distributed script of that strategy run on ONE process at a rank's micro-batch, under its
            own launcher. Its compute and optimizer phases carry the strategy's host work (DDP's bucket
@@ -93,7 +97,8 @@ def find_compute(data: dict, device_name: str, model: str, image_size: int, batc
         return None, f"nothing calibrated for {k}"
     _, b, other, v = min(near)
     scale = batch / b
-    return ({"fwd_ms": v["fwd_ms"] * scale, "bwd_ms": v["bwd_ms"] * scale, "opt_ms": v["opt_ms"]},
+    return ({"fwd_ms": v["fwd_ms"] * scale, "bwd_ms": v["bwd_ms"] * scale, "opt_ms": v["opt_ms"],
+             "sync_ms": v.get("sync_ms", 0.0)},
             f"scaled x{scale:.2f} from {other}")
 
 
@@ -116,11 +121,13 @@ def find_link(data: dict | None, world: int):
     if not got:
         return None
     return Link(busbw_gbps={k: v["busbw_gbps"] for k, v in got.items()},
-                latency_us={k: v["latency_us"] for k, v in got.items()}, source=f"calibrated at {world} ranks")
+                latency_us={k: v["latency_us"] for k, v in got.items()}, source=f"calibrated at {world} ranks",
+                points={k: [tuple(p) for p in v["points"]] for k, v in got.items() if v.get("points")})
 
 
 def fit_link(points: list[tuple[str, int, float]], world: int) -> dict:
-    """Least squares of t = latency + S x factor / busbw per collective kind, from (kind, S bytes, s)."""
+    """Least squares of t = latency + S x factor / busbw per collective kind, from (kind, S bytes, s), and
+    the measured (S, ms) themselves, ascending (Link interpolates them)."""
     from .comm import bus_factor
 
     out = {}
@@ -131,5 +138,6 @@ def fit_link(points: list[tuple[str, int, float]], world: int) -> dict:
         var = sum((x - mx) ** 2 for x in xs)
         slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / var if var else 0.0
         lat = max(0.0, mt - slope * mx)
-        out[kind] = {"latency_us": round(lat * 1e6, 3), "busbw_gbps": round(1 / slope / 1e9, 4) if slope > 0 else 1e3}
+        out[kind] = {"latency_us": round(lat * 1e6, 3), "busbw_gbps": round(1 / slope / 1e9, 4) if slope > 0 else 1e3,
+                     "points": sorted((s, round(t * 1e3, 4)) for k, s, t in points if k == kind)}
     return out

@@ -26,7 +26,9 @@ order; a collective starts when its inputs are ready and the link is free:
                          config.py, a bucket is one all-reduce; False: a reduce to each partition's
                          owner), hidden under the backward only with overlap_comm (off by default
                          for stages 1-2: then after it), the optimizer on 1/n, then the updated weights
-                         all-gathered (deepspeed/runtime/zero/stage_1_and_2.py)
+                         all-gathered (deepspeed/runtime/zero/stage_1_and_2.py); before the step the
+                         gradient norm's one-element all-reduce (get_grad_norm_direct: compute_grad_norm
+                         is on by default, zero/config.py), as in ZeRO-3 (stage3.py _get_norm_groups)
   deepspeed_zero3        as fsdp_full-shard, units as above
   dp                     (one process, n GPUs) weights broadcast and gradients reduced, not overlapped
   tp, tp_fsdp            the tp rank's share of the FLOPs, plus 4 activation all-reduces per block and
@@ -43,6 +45,9 @@ order; a collective starts when its inputs are ready and the link is free:
                          the FLOPs and ~60% of the time (its weights, not its arithmetic, set its pace)
 Collective time: latency + S x bus factor / bus bandwidth (nccl-tests doc/PERFORMANCE.md, the same
 S and factors as the communication columns).
+Ranks that vary from step to step wait for each other at the step's synchronizing collective: with n > 1
+ranks (not a pipeline, whose stages wait by design) the step gains Compute.sync_ms, as exposed
+communication (where the measured columns put a collective's wait).
 
 overlap=False puts communication and compute on one resource: on a CPU the gloo threads run on the
 cores the training thread uses, so nothing is hidden (comm_overlap_pct there is concurrency only).
@@ -76,21 +81,37 @@ class Compute:
     opt_ms: float  # optimizer step over ALL the model's parameters (sharded strategies take 1/n)
     data_ms: float = 0.0  # waiting for and copying one micro-batch
     source: str = ""  # where the figures come from (calibration file and entry, or the datasheet)
+    # per step at n ranks: what the ranks' step-to-step variation adds to a synchronous step beyond the
+    # slowest rank's mean (calibration.py: the least wait of calibrate's runs in lockstep); 0 on a GPU
+    sync_ms: float = 0.0
 
 
 @dataclass(frozen=True)
 class Link:
-    """Collective time = latency + S x bus factor / busbw, per kind (falling back to all_reduce's)."""
+    """Collective time = latency + S x bus factor / busbw, per kind (falling back to all_reduce's). Where the
+    calibration measured the kind (`points`: [(S bytes, ms)] at this world size, ascending), a size inside
+    the measured range is interpolated between its two neighbours and one past the largest continues from
+    it at the fitted bandwidth: gloo's time is not one line over sizes (2 ranks, 2 cores: a 32 MiB
+    all-gather 20.5 ms, 42.7 MiB 30.8, 64 MiB 67.5; the line through 16 KiB-32 MiB gave 27 ms at 42.7)."""
     busbw_gbps: dict = field(default_factory=lambda: {"all_reduce": 10.0})  # GB/s = 1e9 B/s
     latency_us: dict = field(default_factory=lambda: {"all_reduce": 20.0})
     source: str = ""
+    points: dict = field(default_factory=dict)
 
     def ms(self, kind: str, nbytes: float, n: int) -> float:
         if n <= 1 or nbytes <= 0:
             return 0.0
         bw = self.busbw_gbps.get(kind, self.busbw_gbps.get("all_reduce"))
         lat = self.latency_us.get(kind, self.latency_us.get("all_reduce", 0.0))
-        return lat / 1e3 + nbytes * bus_factor(kind, n) / (bw * 1e9) * 1e3
+        line = lat / 1e3 + nbytes * bus_factor(kind, n) / (bw * 1e9) * 1e3
+        pts = self.points.get(kind)
+        if not pts or nbytes < pts[0][0]:
+            return line
+        for (s0, t0), (s1, t1) in zip(pts, pts[1:]):
+            if nbytes <= s1:
+                return t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0) if s1 > s0 else t1
+        s_last, t_last = pts[-1]
+        return t_last + (nbytes - s_last) * bus_factor(kind, n) / (bw * 1e9) * 1e3
 
 
 @dataclass
@@ -249,6 +270,8 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
         shard = 1.0 / n
         regather = not st.startswith("fsdp_shard-grad-op")
         _fsdp(s, us, c, link, n, w_bytes, g_bytes, regather)
+        if st.startswith(("deepspeed", "accelerate_deepspeed")):
+            post = link.ms("all_reduce", 4, n)  # the gradient norm (stage3.py _get_norm_groups)
     elif st.startswith(("deepspeed_zero1", "deepspeed_zero2", "accelerate_deepspeed_zero1",
                         "accelerate_deepspeed_zero2")):
         _, bwd = _forward_backward(s, us, c)
@@ -265,15 +288,16 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
         for unit, nbytes in _buckets(params, g_bytes, cap, cap):
             prev = (s.add("comm", link.ms(kind, nbytes, n), (bwd[unit if hidden else 0], *prev)),)
         shard = 1.0 / n
-        post = link.ms("all_gather", numel * w_bytes, n)
+        post = link.ms("all_gather", numel * w_bytes, n) + link.ms("all_reduce", 4, n)  # + the gradient norm
     elif st in ("tp", "tp_fsdp"):
         return _tensor_parallel(p, setup, c, link, overlap)
     else:
         _forward_backward(s, us, c)
         p.notes.append(f"{st}: no communication model; compute and optimizer only")
     compute = (c.fwd_ms + c.bwd_ms) * accum
+    synced = n > 1 and st not in ("single", "half", "amp", "dp")  # dp: one process
     p.compute_ms = compute
-    p.comm_exposed_ms = max(0.0, s.length - compute) + post
+    p.comm_exposed_ms = max(0.0, s.length - compute) + post + (c.sync_ms if synced else 0.0)
     p.comm_ms = s.comm + post
     p.optimizer_ms = c.opt_ms * shard
     return p
@@ -323,7 +347,7 @@ def _tensor_parallel(p: StepPrediction, setup: Setup, c: Compute, link: Link, ov
 
     tp, dp, accum = setup.tp, setup.dp, setup.grad_accum
     share = forward_flops(setup.model, setup.image_size, tp) / forward_flops(setup.model, setup.image_size)
-    local = Compute(c.fwd_ms * share, c.bwd_ms * share, c.opt_ms, c.data_ms, c.source)
+    local = Compute(c.fwd_ms * share, c.bwd_ms * share, c.opt_ms, c.data_ms, c.source, c.sync_ms)
     blocks, tokens, hidden = tp_layout(setup.model, setup.image_size)
     act = setup.micro_batch * tokens * hidden
     forward = ITEMSIZE.get(setup.precision, 4)  # autocast: the forward all-reduces carry half outputs
@@ -338,7 +362,7 @@ def _tensor_parallel(p: StepPrediction, setup: Setup, c: Compute, link: Link, ov
     full = sum(sum(u.params) for u in units(setup.model, setup.image_size))
     mine = sum(sum(u.params) for u in lus)
     p.compute_ms = compute
-    p.comm_exposed_ms = max(0.0, s.length - compute) + reduces
+    p.comm_exposed_ms = max(0.0, s.length - compute) + reduces + c.sync_ms
     p.comm_ms = s.comm + reduces
     p.optimizer_ms = c.opt_ms * mine / full / dp
     return p
