@@ -278,11 +278,14 @@ class Lockstep:
                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         self.k = 0
 
-    def wait(self) -> None:
+    def wait(self) -> bool:
+        """True when this run arrived last: its wait was the barrier's own cost, nobody's skew."""
         k, self.k = self.k, self.k + 1
-        if self.store.add(f"arrived{k}", 1) == self.n:
+        last = self.store.add(f"arrived{k}", 1) == self.n
+        if last:
             self.store.set(f"go{k}", "1")
         self.store.wait([f"go{k}"])
+        return last
 
 
 def synchronize(device: torch.device) -> None:

@@ -129,7 +129,8 @@ class TimedWindow:
                  steps: int = 0, total_steps: int | None = None, lockstep: Lockstep | None = None):
         self.opens_at, self.device, self.total_steps = opens_at, device, total_steps
         self.lockstep, self.met = lockstep, False
-        self.waited_s = 0.0  # in the window, at the lockstep's meetings
+        # in the window, at the lockstep's meetings: all of them, and those this run came to last
+        self.waited_s, self.last_s, self.lasts = 0.0, 0.0, 0
         self.instruments = [i for i in instruments if not i.outside_window]
         self.parts = next((i for i in instruments if isinstance(i, StepParts)), None)
         self.before = [i for i in instruments if i.outside_window]  # not run yet in this process
@@ -222,12 +223,16 @@ class TimedWindow:
         step: an engine stepped inside backward met them there, the loop's own step call then does not.
         (Such an engine is only accelerate's DeepSpeed, which takes no --grad-accum: a step inside the
         backward of every micro-batch would otherwise meet at the first micro-batch.) The window's wait per
-        step goes to the row's notes ("lockstep wait X ms per step"): calibrate's sync_ms."""
+        step goes to the row's notes ("lockstep wait X ms per step"), with the mean of the meetings it came
+        to last (the barrier's own cost: "Y ms when last"): calibrate's sync_ms."""
         if self.lockstep is not None and not self.met:
             t = time.perf_counter()
-            self.lockstep.wait()
+            last = self.lockstep.wait()
             if self.running:
-                self.waited_s += time.perf_counter() - t
+                dt = time.perf_counter() - t
+                self.waited_s += dt
+                if last:
+                    self.last_s, self.lasts = self.last_s + dt, self.lasts + 1
             self.mark("other")
             self.met = True
 
@@ -255,8 +260,9 @@ class TimedWindow:
             cols = i.row()
             notes += [cols.pop("notes")] if cols.get("notes") else []
             row.update(cols)
-        if self.lockstep is not None and self.steps:  # calibrate reads it (common/bench/calibrate.py _concurrent)
-            notes.append(f"lockstep wait {1e3 * self.waited_s / self.steps:.3f} ms per step")
+        if self.lockstep is not None and self.steps:  # calibrate reads it (common/bench/calibrate.py _sync_ms)
+            last = f", {1e3 * self.last_s / self.lasts:.3f} ms when last" if self.lasts else ""
+            notes.append(f"lockstep wait {1e3 * self.waited_s / self.steps:.3f} ms per step{last}")
         return {**row, "notes": "; ".join(notes) or None}
 
 

@@ -28,7 +28,8 @@ order; a collective starts when its inputs are ready and the link is free:
                          for stages 1-2: then after it), the optimizer on 1/n, then the updated weights
                          all-gathered (deepspeed/runtime/zero/stage_1_and_2.py); before the step the
                          gradient norm's one-element all-reduce (get_grad_norm_direct: compute_grad_norm
-                         is on by default, zero/config.py), as in ZeRO-3 (stage3.py _get_norm_groups)
+                         is on by default, zero/config.py), as in ZeRO-3 (stage3.py _get_norm_groups),
+                         and in half precision the overflow check's (has_overflow; ZeRO-3: fp16 only)
   deepspeed_zero3        as fsdp_full-shard, units as above
   dp                     (one process, n GPUs) weights broadcast and gradients reduced, not overlapped
   tp, tp_fsdp            the tp rank's share of the FLOPs, plus 4 activation all-reduces per block and
@@ -97,21 +98,26 @@ class Link:
     latency_us: dict = field(default_factory=lambda: {"all_reduce": 20.0})
     source: str = ""
     points: dict = field(default_factory=dict)
+    world: int = 0  # the ranks the points were measured at: another group size (tp, dp sub-groups) takes the line
 
     def ms(self, kind: str, nbytes: float, n: int) -> float:
         if n <= 1 or nbytes <= 0:
             return 0.0
         bw = self.busbw_gbps.get(kind, self.busbw_gbps.get("all_reduce"))
         lat = self.latency_us.get(kind, self.latency_us.get("all_reduce", 0.0))
-        line = lat / 1e3 + nbytes * bus_factor(kind, n) / (bw * 1e9) * 1e3
-        pts = self.points.get(kind)
-        if not pts or nbytes < pts[0][0]:
-            return line
+        per_byte = bus_factor(kind, n) / (bw * 1e9) * 1e3
+        pts = self.points.get(kind) if n == self.world else None
+        if not pts:
+            return lat / 1e3 + nbytes * per_byte
+        if nbytes < pts[0][0]:  # latency-bound: back along the first measured segment (the fitted line's
+            (s0, t0), (s1, t1) = pts[0], pts[1] if len(pts) > 1 else pts[0]  # latency can be 0 on a convex curve)
+            slope = (t1 - t0) / (s1 - s0) if s1 > s0 else per_byte
+            return max(0.0, t0 - (s0 - nbytes) * slope)
         for (s0, t0), (s1, t1) in zip(pts, pts[1:]):
             if nbytes <= s1:
                 return t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0) if s1 > s0 else t1
         s_last, t_last = pts[-1]
-        return t_last + (nbytes - s_last) * bus_factor(kind, n) / (bw * 1e9) * 1e3
+        return t_last + (nbytes - s_last) * per_byte
 
 
 @dataclass
@@ -272,6 +278,8 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
         _fsdp(s, us, c, link, n, w_bytes, g_bytes, regather)
         if st.startswith(("deepspeed", "accelerate_deepspeed")):
             post = link.ms("all_reduce", 4, n)  # the gradient norm (stage3.py _get_norm_groups)
+            if setup.precision == "fp16":  # stage3.py _overflow_check_and_loss_scale_update: fp16 only
+                post += link.ms("all_reduce", 4, n)
     elif st.startswith(("deepspeed_zero1", "deepspeed_zero2", "accelerate_deepspeed_zero1",
                         "accelerate_deepspeed_zero2")):
         _, bwd = _forward_backward(s, us, c)
@@ -289,6 +297,8 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
             prev = (s.add("comm", link.ms(kind, nbytes, n), (bwd[unit if hidden else 0], *prev)),)
         shard = 1.0 / n
         post = link.ms("all_gather", numel * w_bytes, n) + link.ms("all_reduce", 4, n)  # + the gradient norm
+        if half:  # check_overflow's all-reduce (engine.py: fp16 always, bf16 by default; not fp32)
+            post += link.ms("all_reduce", 4, n)
     elif st in ("tp", "tp_fsdp"):
         return _tensor_parallel(p, setup, c, link, overlap)
     else:
