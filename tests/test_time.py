@@ -451,6 +451,15 @@ def test_link_interpolates_the_measured_sizes_and_extends_past_them():
     assert link.ms("all_gather", 48 * mib, 1) == 0.0
 
 
+def test_ddp_zero_broadcasts_take_the_points_of_its_world_size():
+    """DDP+ZeRO's per-parameter broadcasts are priced at the run's world size (a broadcast's bus factor is 1
+    at any n), so a calibration at 4 ranks serves a 4-rank run with its measured points."""
+    flat = Link({"all_reduce": 1e6, "broadcast": 1e6}, {"all_reduce": 0.0, "broadcast": 0.0}, world=4,
+                points={"broadcast": [(16.0, 5.0), (1e9, 5.0)]})
+    zero, ddp = (predict_step(setup(st, 4), C, flat, overlap=False) for st in ("ddp_zero", "ddp"))
+    assert zero.comm_ms - ddp.comm_ms == pytest.approx(62 * 5.0, abs=0.1)  # resnet18's 62 parameters
+
+
 def test_calibrate_times_collectives_up_to_the_models_whole_gradient():
     """--link-max-bytes auto: the power of two at or above the model's fp32 parameters, at least 32 MiB
     (DeepSpeed's one bucket and its all-gather carry them whole)."""

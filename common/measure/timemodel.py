@@ -270,7 +270,7 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
             prev = (s.add("comm", link.ms("all_reduce", nbytes, n), (bwd[unit], *prev)),)
         if st == "ddp_zero":
             shard = 1.0 / n
-            post = sum(link.ms("broadcast", x * w_bytes, 2) for _, x in params)  # one call per parameter
+            post = sum(link.ms("broadcast", x * w_bytes, n) for _, x in params)  # one per parameter; bus factor 1
     elif st.startswith(("fsdp_full-shard", "fsdp_shard-grad-op", "fsdp_hybrid", "accelerate_fsdp",
                         "deepspeed_zero3", "accelerate_deepspeed_zero3")):
         shard = 1.0 / n
