@@ -1,5 +1,6 @@
-"""Bus bandwidth of all-reduce, all-gather, reduce-scatter and broadcast over message sizes on this machine:
-the ceiling the strategies' busbw_gbps column is compared with (nccl-tests' method, in torch).
+"""Bus bandwidth of all-reduce, all-gather, reduce-scatter, broadcast and a point-to-point send over message
+sizes on this machine: the ceiling the strategies' busbw_gbps column is compared with (nccl-tests' method, in
+torch); the send is what a pipeline's stages pass each other (rank 0 to rank 1, the others idle).
 
     torchrun --nproc_per_node 4 benchmarks/collectives.py                 # GPUs: nccl
     torchrun --nproc_per_node 2 benchmarks/collectives.py --device cpu    # gloo
@@ -45,6 +46,9 @@ def op(kind: str, n: int, elems: int, device: torch.device):
     if kind == "broadcast":
         buf = torch.ones(shard * n, device=device)
         return lambda: dist.broadcast(buf, 0)
+    if kind == "send":  # a pipeline's activation or gradient to the next stage
+        buf, rank = torch.ones(elems, device=device), dist.get_rank()
+        return lambda: dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0) if rank == 1 else None
     inp, out = torch.ones(shard * n, device=device), torch.empty(shard, device=device)
     return lambda: dist.reduce_scatter_single(out, inp)
 
@@ -70,7 +74,7 @@ def main():
     p.add_argument("--max-bytes", default="64M", help="largest S; sizes double from the smallest")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--kinds", default="all_reduce,all_gather,reduce_scatter,broadcast", help="collectives to time")
+    p.add_argument("--kinds", default="all_reduce,all_gather,reduce_scatter,broadcast,send", help="collectives to time")
     p.add_argument("--cold", action="store_true", help="evict the caches before every call and time each call "
                    "alone (barrier first), as a training step's collective meets its buffers: on a CPU a warm loop "
                    "keeps messages up to the L3's size in cache, which a step's activations have evicted")
@@ -94,7 +98,7 @@ def main():
         s = size(a.min_bytes)
         while s <= size(a.max_bytes):
             call = op(kind, n, s // 4, device)
-            nbytes = (s // 4 // n) * n * 4
+            nbytes = (s // 4) * 4 if kind == "send" else (s // 4 // n) * n * 4
             for _ in range(a.warmup):
                 call()
             sync(device)

@@ -226,7 +226,7 @@ def test_collectives_benchmark_runs(cold):
                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [ln.split()[0] for ln in proc.stdout.splitlines()[2:]] == ["all_reduce", "all_gather", "reduce_scatter",
-                                                                     "broadcast"]
+                                                                     "broadcast", "send"]
 
 
 def test_a_sub_group_gather_counts_its_own_group():

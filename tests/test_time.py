@@ -699,3 +699,30 @@ def test_pipeline_sends_are_per_micro_batch():
     m8 = predict_step(s, C, slow, overlap=False, strategy="pp_gpipe", microbatches=8, stages=[2, 2])
     # layer2's output of resnet18 at 32 px: 128 x 4 x 4 fp32 = 8 KiB per image, there and back, 32 images
     assert m4.comm_ms == pytest.approx(m8.comm_ms) == pytest.approx(2 * 32 * 8192 / 0.01e9 * 1e3)
+
+
+def test_a_pipeline_stage_steps_its_optimizer_while_the_others_drain():
+    """Each rank steps its own stage's optimizer after its last backward; the next step's forward waits for
+    it. GPipe, 2 stages of 10 ms forward and 10 backward, 1 micro-batch, free sends, the second stage's
+    optimizer 30 ms: rank 1 ends its backward at 30 and steps until 60 while rank 0 runs its backward
+    (30-40) and the next forward (40-50); rank 1's next forward then starts at 60: a period of 50, not
+    the schedule's 40 plus the whole 30."""
+    from common.measure.timemodel import _simulate_pipeline
+
+    period, busy0 = _simulate_pipeline("pp_gpipe", [10.0, 10.0], [10.0, 10.0], [0.0], 1, True, [0.0, 30.0])
+    assert (period, busy0) == (pytest.approx(50.0), pytest.approx(20.0))
+    assert _simulate_pipeline("pp_gpipe", [10.0, 10.0], [10.0, 10.0], [0.0], 1, True)[0] == pytest.approx(40.0)
+
+
+def test_pipeline_sends_take_the_measured_sends():
+    """calibrate times a point-to-point send (benchmarks/collectives.py kind send); a pipeline's
+    activations and gradients are priced from it, not from the all-reduce's fitted latency (2.6 ms in a
+    calibration whose 16 KiB all-reduce took 1.5)."""
+    s = Setup(model="resnet18", image_size=32, batch_size=32, world_size=2, strategy="single")
+    base = Link({"all_reduce": 1e6}, {"all_reduce": 2600.0}, world=2)
+    measured = Link({"all_reduce": 1e6, "send": 1e6}, {"all_reduce": 2600.0, "send": 0.0}, world=2,
+                    points={"send": [(16384.0, 0.3), (65536.0, 0.5)]})
+    got = [predict_step(s, C, link, overlap=False, strategy="pp_gpipe", microbatches=4, stages=[2, 2]).comm_ms
+           for link in (base, measured)]
+    # 8 KiB per image x 8 images a micro-batch = 64 KiB, there and back for each of 4 micro-batches
+    assert got == [pytest.approx(8 * 2.6, abs=0.01), pytest.approx(8 * 0.5, abs=0.01)]

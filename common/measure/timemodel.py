@@ -398,9 +398,13 @@ def _pipeline(p: StepPrediction, us, c: Compute, link: Link, overlap: bool, n: i
     f = [x * c.fwd_ms for x in fwd]
     b = [x * c.bwd_ms for x in bwd]
     if schedule in ("pp_gpipe", "pp_1f1b") and len(f) == n:
-        length, busy = _simulate_pipeline(schedule, f, b, sends, m, overlap)
-        p.compute_ms = busy  # rank 0's own forward and backward; the rest of the step it waits
-        p.comm_exposed_ms = length - busy
+        # each rank steps its own stage's optimizer when its last backward is done, and its next forward
+        # waits for that and for its input: the largest stage's step hides partly behind the others' work
+        opt = [c.opt_ms * x / max(1, sum(params)) for x in params]
+        period, busy = _simulate_pipeline(schedule, f, b, sends, m, overlap, opt)
+        p.compute_ms = busy  # rank 0's own forward and backward; the rest of the step, past its optimizer, it waits
+        p.optimizer_ms = opt[0]
+        p.comm_exposed_ms = max(0.0, period - busy - opt[0])
         return p
     slowest = max(range(len(f)), key=lambda i: f[i] + b[i])
     p.compute_ms = (m + len(f) - 1) * (f[slowest] + b[slowest])
@@ -428,13 +432,19 @@ def _pipeline_order(schedule: str, rank: int, s: int, m: int) -> list[tuple[str,
 
 
 def _simulate_pipeline(schedule: str, f: list[float], b: list[float], sends: list[float], m: int,
-                       overlap: bool) -> tuple[float, float]:
-    """(the step's length, rank 0's busy time) of one stage per rank: an op starts when its rank is free
-    and its input has arrived (a forward: the previous stage's forward of the micro-batch plus the send;
-    a backward: the next stage's backward plus the send, and its own forward). Without overlap (CPU:
-    gloo's threads take the cores the rank computes on) a send also keeps its sender busy."""
+                       overlap: bool, opt: list[float] | None = None) -> tuple[float, float]:
+    """(the step's period, rank 0's busy time in one step) of one stage per rank: an op starts when its
+    rank is free and its input has arrived (a forward: the previous stage's forward of the micro-batch plus
+    the send; a backward: the next stage's backward plus the send, and its own forward). Without overlap
+    (CPU: gloo's threads take the cores the rank computes on) a send also keeps its sender busy. Two
+    steps run, each rank's optimizer (opt, ms) after its own last op of each: the period is the second
+    step's end less the first's (a rank that finishes early steps its optimizer while the others drain)."""
     s = len(f)
-    orders = [_pipeline_order(schedule, r, s, m) for r in range(s)]
+    opt = opt or [0.0] * s
+    orders = []
+    for r in range(s):
+        one = _pipeline_order(schedule, r, s, m)
+        orders.append(one + [("O", 0)] + [(kind, k + m) for kind, k in one] + [("O", 1)])
     done: dict = {}
     free, pos, busy0 = [0.0] * s, [0] * s, 0.0
     while any(pos[r] < len(orders[r]) for r in range(s)):
@@ -442,6 +452,12 @@ def _simulate_pipeline(schedule: str, f: list[float], b: list[float], sends: lis
         for r in range(s):
             while pos[r] < len(orders[r]):
                 kind, k = orders[r][pos[r]]
+                if kind == "O":
+                    end = free[r] + opt[r]
+                    done[(r, kind, k)] = free[r] = end
+                    pos[r] += 1
+                    moved = True
+                    continue
                 if kind == "F":
                     dep = (r - 1, "F", k) if r > 0 else None
                     arrive = done.get(dep, None) if dep else 0.0
@@ -459,12 +475,12 @@ def _simulate_pipeline(schedule: str, f: list[float], b: list[float], sends: lis
                 end = max(free[r], arrive) + ms
                 done[(r, kind, k)] = end
                 free[r] = end + (0.0 if overlap else out)
-                busy0 += ms if r == 0 else 0.0
+                busy0 += ms if r == 0 and k < m else 0.0
                 pos[r] += 1
                 moved = True
         if not moved:
             raise RuntimeError(f"{schedule}: the simulated pipeline deadlocked")
-    return max(free), busy0
+    return max(done[(r, "O", 1)] for r in range(s)) - max(done[(r, "O", 0)] for r in range(s)), busy0
 
 
 def _piece_shares(pieces: list, counts: list[int]) -> tuple[list[float], list[float]]:
