@@ -38,8 +38,10 @@ order; a collective starts when its inputs are ready and the link is free:
                          the previous stage's activation, a backward for the next stage's gradient, each
                          after its send): equal stages give (m + s - 1) slots of one stage; unequal ones
                          fill and drain at the other stages' pace (2 stages, the last the slowest: t0 +
-                         m x t1); the optimizer of the largest stage. Interleaved 1F1B is not simulated:
-                         (m + n - 1) slots of the slowest of the n pieces plan() gives.
+                         m x t1); each rank's optimizer after its own last backward, its next
+                         forward waiting for it (two steps simulated, the step their period). Interleaved
+                         1F1B is not simulated: (m + n - 1) slots of the slowest of the n pieces plan()
+                         gives, and the largest stage's optimizer.
                          The slowest stage is the one with the largest share of the measured time of
                          the model's four pieces (calibrate times them) where the calibration has
                          them, else of the FLOPs: on a CPU at 32 px resnet18's layer4 holds 23% of
