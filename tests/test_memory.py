@@ -193,16 +193,18 @@ def test_advise_articles_setup():
 
 
 ADVISE_BAD = [
-    (["--gpu-memory-gib", "0"], "--gpu-memory-gib must be > 0"),
-    (["--gpu-memory-gib", "24", "--gpus", "3"], "does not divide by --gpus 3"),
-    (["--gpu-memory-gib", "24", "--model", "nonet"], "unknown model 'nonet'"),
+    (["advise", "--gpu-memory-gib", "0"], "--gpu-memory-gib must be > 0"),
+    (["advise", "--gpu-memory-gib", "24", "--gpus", "3"], "does not divide by --gpus 3"),
+    (["advise", "--gpu-memory-gib", "24", "--model", "nonet"], "unknown model 'nonet'"),
+    # refused before the compute entries' minutes, not after them
+    (["calibrate", "--preset", "smoke", "--link-max-bytes", "64Q"], "--link-max-bytes '64Q': a size of at least 16K"),
 ]
 
 
 @pytest.fixture(scope="module")
 def advise_refused():
-    """`benchmark.py advise` on each of ADVISE_BAD, started together (helpers.run_at_once)."""
-    return run_at_once({i: ("benchmark.py", ["advise", *args]) for i, (args, _) in enumerate(ADVISE_BAD)}, timeout=120)
+    """`benchmark.py advise` (and calibrate) on each of ADVISE_BAD, started together (helpers.run_at_once)."""
+    return run_at_once({i: ("benchmark.py", args) for i, (args, _) in enumerate(ADVISE_BAD)}, timeout=120)
 
 
 @pytest.mark.slow  # launches processes

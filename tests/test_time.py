@@ -9,7 +9,7 @@ import torch
 from test_comm import ev
 from test_window import TinyNet
 
-from common.config import TrainConfig
+from common.config import TrainConfig, UsageError
 from common.measure.calibration import find_compute, fit_link, key
 from common.measure.comm import analyze
 from common.measure.memory import Setup
@@ -468,7 +468,10 @@ def test_calibrate_times_collectives_up_to_the_models_whole_gradient():
     assert _link_max("auto", "resnet18", 32) == "64M"  # 44.7 MB
     assert _link_max("auto", "resnet50", 32) == "128M"  # 102 MB
     assert _link_max("auto", "mobilenet_v2", 32) == "32M"  # 14 MB
-    assert _link_max("8M", "resnet50", 32) == "8M"
+    assert _link_max("8M", "resnet50", 32) == "8M" and _link_max("16k", "resnet50", 32) == "16k"
+    for bad in ("64Q", "M", "8K", "-1M", ""):
+        with pytest.raises(UsageError, match="--link-max-bytes"):
+            _link_max(bad, "resnet50", 32)
 
 
 def test_calibration_lookup_exact_scaled_and_refused():

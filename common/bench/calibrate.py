@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -318,7 +319,12 @@ def _link_max(text: str, model: str, image: int) -> str:
     and at least 32 MiB: the largest message of a run (DeepSpeed's whole-model bucket and all-gather) is
     then measured, not extrapolated."""
     if text != "auto":
-        return text
+        # checked here, before the compute entries' minutes: a typo found after them would waste them
+        got = re.fullmatch(r"(\d+(?:\.\d+)?)([KMG]?)", text.strip(), re.IGNORECASE)
+        nbytes = float(got[1]) * {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}[got[2].upper()] if got else 0
+        if nbytes < 16 * 1024:  # benchmarks/collectives.py starts at 16K
+            raise UsageError(f"--link-max-bytes {text!r}: a size of at least 16K (K, M, G suffixes), or auto")
+        return text.strip()
     from ..measure.timemodel import units
 
     nbytes = 4 * sum(sum(u.params) for u in units(model, image))
