@@ -228,6 +228,18 @@ def test_analyze_attributes_exposed_communication_to_phases():
     assert got == {"compute": pytest.approx(20 / 1e6), "optimizer": pytest.approx(20 / 1e6)}
 
 
+def test_a_collectives_work_on_the_training_thread_is_communication():
+    """gloo's reduce-scatter clones its input inside the dispatcher op on the training thread [40, 60], then
+    a gloo thread all-reduces it [60, 80]: [40, 80] is exposed (the clone is not compute: the model prices
+    it with the collective, as benchmarks/collectives.py times it); the backend's own time stays [60, 80]."""
+    events = [ev("phase:compute", 0, 100), ev("aten::mm", 0, 40), ev("c10d::_reduce_scatter_base_", 40, 20),
+              ev("aten::clone", 41, 18), ev("gloo:all_reduce", 60, 20, th=9, s=[[10]], d=["float"]),
+              ev("aten::mm", 80, 20), ev("c10d::barrier", 100, 5), ev("aten::copy_", 101, 3)]
+    got = analyze(events, 2, steps=1)
+    assert got["exposed_ms_by_phase"] == {"compute": pytest.approx(40 / 1e6)}
+    assert got["comm_ms_per_step"] == pytest.approx(20 / 1e6) and got["comm_overlap_pct"] == 0.0
+
+
 C = Compute(fwd_ms=20.0, bwd_ms=40.0, opt_ms=6.0)
 FAST = Link({"all_reduce": 10.0}, {"all_reduce": 50.0})
 

@@ -25,8 +25,9 @@ Columns, per optimizer step and per rank, mean over ranks:
                        (n-1)/n all-gather, reduce-scatter and all-to-all, 1 broadcast and reduce.
   comm_overlap_pct     share of comm_ms during which compute ran at the same time: on GPU non-NCCL
                        kernels on any stream, on CPU aten ops on the training threads (not the gloo
-                       workers, not waits). On CPU both share the same cores, so overlap there means
-                       concurrency, not that the cost was hidden.
+                       workers, not waits, not the copies inside a collective's dispatcher op). On CPU
+                       both share the same cores, so overlap there means concurrency, not that the
+                       cost was hidden.
 
 The profiled steps run before the timed window opens (common/train.py TimedWindow): recording
 shapes and, on GPU, CUDA activity costs per op, and stopping the profiler processes the trace, so no
@@ -166,7 +167,7 @@ def analyze(events, n: int, steps: int) -> dict:
     duration_ns(), start_thread_id(), device_type() -- what torch.autograd.profiler builds its
     FunctionEvents from; FunctionEvent drops the dtypes)."""
     calls, bus_bytes, payload = 0, 0.0, 0
-    cpu_comm, threads, gpu_comm, gpu_compute, cpu_ops = [], set(), [], [], []
+    cpu_comm, threads, gpu_comm, gpu_compute, cpu_ops, launches = [], set(), [], [], [], []
     gpu_phases: dict[str, list] = {}
     # the harness waits for its collectives inside its range (on CUDA it synchronizes there): a
     # collective, or an NCCL kernel, that starts inside one is the harness's
@@ -216,12 +217,21 @@ def analyze(events, n: int, steps: int) -> dict:
                 threads.add(e.start_thread_id())
         elif name.startswith("aten::") and "wait" not in name:
             cpu_ops.append((e.start_thread_id(), span))
+        elif backend == "c10d" and "barrier" not in op and "wait" not in op:
+            launches.append((e.start_thread_id(), span))
     comm = _union(gpu_comm if gpu_comm else cpu_comm)
-    compute = _union(gpu_compute if gpu_comm else [s for t, s in cpu_ops if t not in threads])
+    # On CPU the training thread does part of a collective's work inside its dispatcher op, before the
+    # gloo thread takes over: gloo's reduce-scatter clones its whole input there
+    # (ProcessGroupGloo::reduce_scatter_tensor_coalesced, then an all-reduce of the clone). That is
+    # communication, as benchmarks/collectives.py times it, not the model's compute. (On GPU a launch
+    # only enqueues: the kernels say what ran.)
+    launch = [] if gpu_comm else _union([s for t, s in launches if t not in threads])
+    compute = _union(gpu_compute) if gpu_comm else \
+        _subtract(_union([s for t, s in cpu_ops if t not in threads]), launch)
     comm_ns = _length(comm)
-    # exposed: a collective in flight and no compute on the training side, attributed to the loop's
-    # phase it fell in (common/measure/stepparts.py takes it out of that phase)
-    exposed = _subtract(comm, compute)
+    # exposed: a collective in flight (or launching) and no compute on the training side, attributed to
+    # the loop's phase it fell in (common/measure/stepparts.py takes it out of that phase)
+    exposed = _subtract(_union(comm + launch), compute)
     # on GPU the device's copy of each phase range (the host runs ahead of the device), on CPU the host's
     phases = gpu_phases if gpu_comm and gpu_phases else {}
     if not phases:

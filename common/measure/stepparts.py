@@ -9,7 +9,8 @@ the previous mark to its own, so the phases tile the window and their sum is the
                         exposed communication that fell in it (ZeRO's broadcasts, DeepSpeed's gathers)
   step_comm_exposed_ms  communication during which the training thread ran no compute: collectives
                         it waited for (DDP's last buckets, FSDP's unprefetched gathers, ZeRO's
-                        broadcasts, a pipeline's receives)
+                        broadcasts, a pipeline's receives), and on CPU its own share of a collective
+                        (inside the dispatcher op: gloo's reduce-scatter copies its whole input there)
   step_other_ms         the rest: the loop's bookkeeping, progress lines, the non-finite check (and,
                         with --lockstep, the wait for the other runs)
   step_ms_mean          their sum: the window's time per optimizer step (what throughput inverts)
