@@ -67,6 +67,37 @@ def _flush_bytes(cuda: bool) -> int:
     return max(64 * 1024 ** 2, 2 * llc)
 
 
+def _meet(n: int, nbytes: int, device: torch.device, flush, iters: int) -> float:
+    """Seconds a collective costs a step beyond its time after a barrier, when the ranks come to it from work
+    of their own (a step's collectives follow a unit's forward or backward, not a barrier): they arrive
+    apart, the early one waits, the backend's thread wakes from idle on cores the work kept busy. Each
+    rank does the same work (evicts the caches, then 32 matrix products of 256 x 256), then times an
+    all-reduce of `nbytes`; the same again with a barrier between the work and the call. The step pays
+    the least rank's mean (the rank that arrived last waited least: its time is what the step adds
+    beyond the slower rank's work), less the slowest rank's aligned mean (the collective's own time, as
+    the points above take it). Alternated, so drifts fall on both."""
+    call = op("all_reduce", n, nbytes // 4, device)
+    flush = flush if flush is not None else torch.empty(_flush_bytes(device.type == "cuda"), dtype=torch.uint8,
+                                                        device=device)
+    a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
+    spent = {"meet": 0.0, "aligned": 0.0}
+    for _ in range(max(iters, 30)):
+        for mode in spent:
+            flush.add_(1)
+            for _ in range(32):
+                torch.mm(a, b)
+            sync(device)
+            if mode == "aligned":
+                dist.barrier()
+            t0 = time.perf_counter()
+            call()
+            sync(device)
+            spent[mode] += time.perf_counter() - t0
+    got = torch.tensor([spent["meet"], -spent["aligned"]], dtype=torch.float64, device=device) / max(iters, 30)
+    dist.all_reduce(got, op=dist.ReduceOp.MIN)  # the least meet; the largest aligned (negated)
+    return max(0.0, got[0].item() + got[1].item())
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
@@ -78,6 +109,9 @@ def main():
     p.add_argument("--cold", action="store_true", help="evict the caches before every call and time each call "
                    "alone (barrier first), as a training step's collective meets its buffers: on a CPU a warm loop "
                    "keeps messages up to the L3's size in cache, which a step's activations have evicted")
+    p.add_argument("--meet", action="store_true", help="also time what ranks pay to meet: an all-reduce of the "
+                   "smallest size issued straight after each rank's own work, no barrier, against the same call "
+                   "after a barrier (JSON: meet_ms)")
     p.add_argument("--json", default="", help="also write the points (kind, S bytes, seconds) here (rank 0)")
     a = p.parse_args()
     cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
@@ -128,9 +162,13 @@ def main():
                 print(f"{kind:>15} {nbytes:>12} {t * 1e6:>10.1f} {algbw:>11.3f} {algbw * bus_factor(kind, n):>11.3f}",
                       flush=True)
             s *= 2
+    meet = _meet(n, size(a.min_bytes), device, flush, a.iters) if a.meet else None
+    if meet is not None and rank == 0:
+        print(f"meeting: {meet * 1e3:.3f} ms per collective over one after a barrier", flush=True)
     if a.json and rank == 0:
         with open(a.json, "w") as fh:
-            json.dump({"world_size": n, "backend": dist.get_backend(), "points": points}, fh)
+            json.dump({"world_size": n, "backend": dist.get_backend(), "points": points,
+                       **({"meet_ms": meet * 1e3} if meet is not None else {})}, fh)
     dist.destroy_process_group()
 
 

@@ -2,6 +2,7 @@
 
 On CPU, 2 gloo ranks, resnet18 with the 10-class head, fp32: every strategy's measured bytes per
 step against the volume its algorithm must send (docs/communication.md)."""
+import json
 import os
 import subprocess
 import sys
@@ -218,15 +219,19 @@ def test_world_sizes_rows_ddp_volume_and_efficiency(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cold", [[], ["--cold"]])  # --cold: what calibrate times on a CPU
-def test_collectives_benchmark_runs(cold):
+@pytest.mark.parametrize("cold", [[], ["--cold", "--meet"]])  # what calibrate times on a CPU
+def test_collectives_benchmark_runs(cold, tmp_path):
+    out = tmp_path / "c.json"
     proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
                            "--master_port", str(free_port()), "benchmarks/collectives.py", "--device", "cpu",
-                           "--min-bytes", "64K", "--max-bytes", "64K", "--iters", "1", "--warmup", "1", *cold],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=clean_env())
+                           "--min-bytes", "64K", "--max-bytes", "64K", "--iters", "1", "--warmup", "1", *cold,
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert [ln.split()[0] for ln in proc.stdout.splitlines()[2:]] == ["all_reduce", "all_gather", "reduce_scatter",
-                                                                     "broadcast", "send"]
+    lines = proc.stdout.splitlines()[2:]
+    assert [ln.split()[0] for ln in lines] == ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send",
+                                              *(["meeting:"] if cold else [])]
+    got = json.loads(out.read_text())
+    assert ("meet_ms" in got) == bool(cold) and got.get("meet_ms", 0.0) >= 0.0
 
 
 def test_a_sub_group_gather_counts_its_own_group():

@@ -1,6 +1,7 @@
 """Time explained and predicted: the measured step components (common/measure/stepparts.py), the
 exposed communication by phase (comm.py), the step model (timemodel.py), its calibration and the
 shared runs' columns."""
+import dataclasses
 import time
 from contextlib import nullcontext
 
@@ -288,6 +289,27 @@ def test_ranks_that_vary_wait_at_their_synchronizing_collective():
     pp = [predict_step(setup("ddp"), c, FAST, overlap=False, strategy="pp_gpipe", microbatches=2, stages=[2, 2])
           for c in (C, synced)]
     assert pp[0].step_ms == pytest.approx(pp[1].step_ms)
+
+
+def test_each_meeting_of_the_ranks_costs_the_links_meet_ms_once():
+    """Link.meet_ms per run of collectives a rank issues at one point of its compute. resnet18's
+    gradients: DDP's 3 buckets ready at 3 units (3), + ZeRO's broadcasts back to back after the optimizer
+    (4); FSDP shard-grad-op: the root's and 8 blocks' gathers, each before its forward, and 9 reduce-
+    scatters, each after its backward (18); full-shard adds the backward's first gather, the others
+    prefetched beside a reduce-scatter (19); ZeRO-3 + the norm's all-reduce (20); ZeRO-1/2: the buckets
+    after the backward, the norm, the gather after the optimizer (3). One process meets nobody."""
+    met = dataclasses.replace(FAST, meet_ms=1.0)
+    want = {"ddp": 3, "accelerate_ddp": 3, "ddp_zero": 4, "fsdp_shard-grad-op": 18, "fsdp_full-shard": 19,
+            "deepspeed_zero3": 20, "deepspeed_zero1": 3, "deepspeed_zero2": 3, "dp": 0}
+    for st, meetings in want.items():
+        a, b = (predict_step(setup(st), C, link, overlap=False) for link in (FAST, met))
+        assert b.step_ms - a.step_ms == pytest.approx(meetings) and b.comm_ms - a.comm_ms == pytest.approx(meetings), st
+    assert predict_step(setup("ddp", 1), C, met, overlap=False).step_ms == pytest.approx(66.0)
+    from common.measure.calibration import find_link
+
+    links = {"2": {"all_reduce": {"latency_us": 10.0, "busbw_gbps": 1.0, "points": []}}}
+    assert find_link({"links": links, "meets": {"2": 1.25}}, 2).meet_ms == 1.25
+    assert find_link({"links": links}, 2).meet_ms == 0.0  # a calibration from before the meetings: none
 
 
 def test_calibrate_takes_the_least_lockstep_wait():
@@ -612,25 +634,27 @@ def test_calibrate_fits_the_median_collectives_of_its_repeats(monkeypatch):
     from common.bench import calibrate as cal
 
     def launch(slope_s_per_mb):
-        return {"points": [("all_reduce", mb << 20, 1e-3 + slope_s_per_mb * mb) for mb in (1, 2, 4, 8)]}
+        return {"points": [("all_reduce", mb << 20, 1e-3 + slope_s_per_mb * mb) for mb in (1, 2, 4, 8)],
+                "meet_ms": slope_s_per_mb * 1e3}
 
     draws = iter([launch(4e-3), launch(1e-3), launch(2e-3)])
 
     def fake_run(cmd, **kw):
-        assert "--cold" in cmd  # a CPU step's collectives find their buffers evicted (docs/time.md)
+        assert "--cold" in cmd and "--meet" in cmd  # a CPU step's collectives find their buffers evicted
         with open(cmd[cmd.index("--json") + 1], "w") as fh:
             json.dump(next(draws), fh)
         return types.SimpleNamespace(returncode=0, stderr="")
 
     monkeypatch.setattr(cal.subprocess, "run", fake_run)
-    links = cal._links(2, "cpu", 1, "8M", repeats=3)
+    links, meet = cal._links(2, "cpu", 1, "8M", repeats=3)
+    assert meet == pytest.approx(2.0)  # the median launch's meeting
     # the median launch's 2 ms per MiB: t = latency + S x 1 (all-reduce's bus factor at 2) / busbw
     assert links["all_reduce"]["busbw_gbps"] == pytest.approx((1 << 20) / 2e-3 / 1e9, rel=1e-3)
     assert links["all_reduce"]["latency_us"] == pytest.approx(1000.0, abs=1.0)
     # launches taken earlier in the calibration count among the repeats: one more launch here, not three
     draws = iter([launch(1e-3)])
     early = {(k, s): t for k, s, t in launch(4e-3)["points"]}, {(k, s): t for k, s, t in launch(2e-3)["points"]}
-    links = cal._links(2, "cpu", 1, "8M", repeats=3, taken=early)
+    links, _ = cal._links(2, "cpu", 1, "8M", repeats=3, taken=early)
     assert links["all_reduce"]["busbw_gbps"] == pytest.approx((1 << 20) / 2e-3 / 1e9, rel=1e-3)
 
 
@@ -662,6 +686,7 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
                                     key("resnet18", 32, 8, "fp32", "sgd", 2, 1),
                                     key("resnet18", 32, 8, "fp32@ddp", "sgd", 2, 1)}
     assert {"all_reduce", "all_gather", "reduce_scatter", "broadcast"} <= set(data["links"]["2"])
+    assert list(data["meets"]) == ["2"] and data["meets"]["2"] >= 0  # collectives.py --meet, at 2 ranks only
     # the two processes' least wait in lockstep (each meeting is a store round trip: never 0); one has none
     for k, v in data["compute"].items():  # the barrier's own cost is taken off: 0 or more at 2
         assert v["sync_ms"] >= 0 and ("|p2|" in k or v["sync_ms"] == 0), (k, v)

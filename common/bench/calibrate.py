@@ -286,16 +286,17 @@ def _median_pieces(draws: list[list[tuple[float, float]]]) -> list[tuple[float, 
 
 
 def _links(world: int, device: str, threads: int, max_bytes: str = "32M", repeats: int = 1,
-           taken: tuple = ()) -> dict:
-    """The collectives at `world` ranks, fitted per kind; with repeats, each (kind, size)'s median time
-    over the launches (one launch of benchmarks/collectives.py can catch the machine in a slow spell).
-    `taken`: launches made earlier in the calibration, counted among the repeats."""
+           taken: tuple = ()) -> tuple[dict, float]:
+    """The collectives at `world` ranks, fitted per kind, and the meeting's ms; with repeats, each (kind,
+    size)'s median time over the launches (one launch of benchmarks/collectives.py can catch the machine
+    in a slow spell). `taken`: launches made earlier in the calibration, counted among the repeats."""
     from ..measure.calibration import fit_link
 
     taken = iter(taken)
     times = _median_of(repeats, lambda: (next(taken, None) or _collectives(world, device, threads, max_bytes),
                                          None))[0]
-    return fit_link([(kind, nbytes, t) for (kind, nbytes), t in times.items()], world)
+    meet = times.pop(("meet", 0), 0.0)
+    return fit_link([(kind, nbytes, t) for (kind, nbytes), t in times.items()], world), meet
 
 
 def _collectives(world: int, device: str, threads: int, max_bytes: str) -> dict:
@@ -306,12 +307,14 @@ def _collectives(world: int, device: str, threads: int, max_bytes: str) -> dict:
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(world),
                "--master_port", str(_free_port()), os.path.join(ROOT, "benchmarks", "collectives.py"),
                "--device", device, "--min-bytes", "16K", "--max-bytes", max_bytes, "--iters", "10", "--json", out,
-               *(["--cold"] if device == "cpu" else [])]  # a step's collectives find their buffers out of cache
+               # a step's collectives find their buffers out of cache, and meet ranks coming from their work
+               "--meet", *(["--cold"] if device == "cpu" else [])]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode or not os.path.exists(out):
             raise UsageError(f"benchmarks/collectives.py at {world} ranks failed: {_error_line(proc.stderr)}")
         with open(out) as fh:
-            return {(kind, nbytes): t for kind, nbytes, t in json.load(fh)["points"]}
+            got = json.load(fh)
+        return {**{(kind, nbytes): t for kind, nbytes, t in got["points"]}, ("meet", 0): got.get("meet_ms", 0.0)}
 
 
 def _link_max(text: str, model: str, image: int) -> str:
@@ -433,8 +436,10 @@ def calibrate(opts) -> int:
                     print(f"compute {k}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
                           f"optimizer {got['opt_ms']:.2f} ms", flush=True)
         if n > 1:
-            links = _links(n, device.type, threads, max_bytes, opts.repeats, tuple(early))
+            links, meet = _links(n, device.type, threads, max_bytes, opts.repeats, tuple(early))
             data["links"][str(n)] = links
+            data.setdefault("meets", {})[str(n)] = round(meet, 4)
+            print(f"link {n} ranks: a meeting {meet:.3f} ms per run of collectives after compute", flush=True)
             for kind, v in links.items():
                 print(f"link {n} ranks {kind}: latency {v['latency_us']:.1f} us, busbw {v['busbw_gbps']:.3f} GB/s",
                       flush=True)

@@ -123,7 +123,7 @@ def find_link(data: dict | None, world: int):
     return Link(busbw_gbps={k: v["busbw_gbps"] for k, v in got.items()},
                 latency_us={k: v["latency_us"] for k, v in got.items()}, source=f"calibrated at {world} ranks",
                 points={k: [tuple(p) for p in v["points"]] for k, v in got.items() if v.get("points")},
-                world=world)
+                world=world, meet_ms=float(data.get("meets", {}).get(str(world), 0.0)))
 
 
 def fit_link(points: list[tuple[str, int, float]], world: int) -> dict:

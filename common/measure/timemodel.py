@@ -47,7 +47,9 @@ order; a collective starts when its inputs are ready and the link is free:
                          them, else of the FLOPs: on a CPU at 32 px resnet18's layer4 holds 23% of
                          the FLOPs and ~60% of the time (its weights, not its arithmetic, set its pace)
 Collective time: latency + S x bus factor / bus bandwidth (nccl-tests doc/PERFORMANCE.md, the same
-S and factors as the communication columns).
+S and factors as the communication columns), timed after a barrier. Ranks come to a step's collectives
+from their own compute instead: each meeting (the collectives a rank issues at one point of its compute,
+back to back) adds Link.meet_ms, measured by benchmarks/collectives.py --meet (0 where not calibrated).
 Ranks that vary from step to step wait for each other at the step's synchronizing collective: with n > 1
 ranks (not a pipeline, whose stages wait by design) the step gains Compute.sync_ms, as exposed
 communication (where the measured columns put a collective's wait).
@@ -101,6 +103,9 @@ class Link:
     source: str = ""
     points: dict = field(default_factory=dict)
     world: int = 0  # the ranks the points were measured at: another group size (tp, dp sub-groups) takes the line
+    # what a collective costs a step beyond its time above when the ranks come to it from their own work
+    # (benchmarks/collectives.py --meet): once per meeting, a run of collectives with compute before it
+    meet_ms: float = 0.0
 
     def ms(self, kind: str, nbytes: float, n: int) -> float:
         if n <= 1 or nbytes <= 0:
@@ -191,17 +196,26 @@ class _Schedule:
     """Tasks in program order on named resources; each starts when its resource is free and its
     dependencies have ended. With overlap=False every resource is the same one."""
 
-    def __init__(self, overlap: bool):
+    def __init__(self, overlap: bool, meet_ms: float = 0.0):
         self.overlap, self.free, self.end = overlap, {}, []
         self.comm = 0.0
+        # Link.meet_ms once per meeting: the collectives a rank issues at one point of its compute (after the
+        # same compute task: its latest dependency, else the latest added) meet once, back to back
+        self.meet_ms, self.meets, self.computed, self.issued = meet_ms, 0, [], None
 
     def add(self, resource: str, ms: float, deps=()) -> int:
+        if resource == "comm" and ms > 0:
+            after = max((d for d in deps if d in self.computed), default=self.computed[-1] if self.computed else -1)
+            if after != self.issued:
+                ms, self.meets, self.issued = ms + self.meet_ms, self.meets + 1, after
         res = resource if self.overlap else "one"
         start = max([self.free.get(res, 0.0), *(self.end[d] for d in deps)])
         self.end.append(start + ms)
         self.free[res] = self.end[-1]
         if resource == "comm":
             self.comm += ms
+        else:
+            self.computed.append(len(self.end) - 1)
         return len(self.end) - 1
 
     @property
@@ -253,12 +267,13 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     p = StepPrediction(data_ms=c.data_ms * setup.grad_accum)
     if st.startswith("pp_"):
         return _pipeline(p, us, c, link, overlap, n, microbatches, stages or [], setup, pieces, st)
-    s = _Schedule(overlap)
+    s = _Schedule(overlap, link.meet_ms if n > 1 else 0.0)
     accum = setup.grad_accum
     for _ in range(accum - 1):  # micro-batches before the last: no gradient communication (no_sync)
         _forward_backward(s, us, c)
     shard = 1.0
     post = 0.0  # collectives after the optimizer step, exposed
+    meets = 0  # the meetings among them: a run of collectives with compute before it
     if st in ("single", "half", "amp") or n == 1 and st not in ("dp",):
         _forward_backward(s, us, c)
     elif st == "dp":
@@ -273,13 +288,14 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
         if st == "ddp_zero":
             shard = 1.0 / n
             post = sum(link.ms("broadcast", x * w_bytes, n) for _, x in params)  # one per parameter; bus factor 1
+            meets = 1  # issued back to back
     elif st.startswith(("fsdp_full-shard", "fsdp_shard-grad-op", "fsdp_hybrid", "accelerate_fsdp",
                         "deepspeed_zero3", "accelerate_deepspeed_zero3")):
         shard = 1.0 / n
         regather = not st.startswith("fsdp_shard-grad-op")
         _fsdp(s, us, c, link, n, w_bytes, g_bytes, regather)
         if st.startswith(("deepspeed", "accelerate_deepspeed")):
-            post = link.ms("all_reduce", 4, n)  # the gradient norm (stage3.py _get_norm_groups)
+            post, meets = link.ms("all_reduce", 4, n), 1  # the gradient norm (stage3.py _get_norm_groups)
             if setup.precision == "fp16":  # stage3.py _overflow_check_and_loss_scale_update: fp16 only
                 post += link.ms("all_reduce", 4, n)
     elif st.startswith(("deepspeed_zero1", "deepspeed_zero2", "accelerate_deepspeed_zero1",
@@ -299,6 +315,7 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
             prev = (s.add("comm", link.ms(kind, nbytes, n), (bwd[unit if hidden else 0], *prev)),)
         shard = 1.0 / n
         post = link.ms("all_gather", numel * w_bytes, n) + link.ms("all_reduce", 4, n)  # + the gradient norm
+        meets = 2  # the norm after its computation, the gather after the optimizer
         if half:  # check_overflow's all-reduce (engine.py: fp16 always, bf16 by default; not fp32)
             post += link.ms("all_reduce", 4, n)
     elif st in ("tp", "tp_fsdp"):
@@ -309,6 +326,7 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     compute = (c.fwd_ms + c.bwd_ms) * accum
     synced = n > 1 and st not in ("single", "half", "amp", "dp")  # dp: one process
     p.compute_ms = compute
+    post += meets * s.meet_ms
     p.comm_exposed_ms = max(0.0, s.length - compute) + post + (c.sync_ms if synced else 0.0)
     p.comm_ms = s.comm + post
     p.optimizer_ms = c.opt_ms * shard
@@ -364,8 +382,9 @@ def _tensor_parallel(p: StepPrediction, setup: Setup, c: Compute, link: Link, ov
     act = setup.micro_batch * tokens * hidden
     forward = ITEMSIZE.get(setup.precision, 4)  # autocast: the forward all-reduces carry half outputs
     reduces = blocks * 2 * (link.ms("all_reduce", act * forward, tp) + link.ms("all_reduce", act * 4, tp)) * accum
+    reduces += blocks * 4 * accum * link.meet_ms  # each after its own compute: a meeting
     compute = (local.fwd_ms + local.bwd_ms) * accum
-    s = _Schedule(overlap)
+    s = _Schedule(overlap, link.meet_ms)
     lus = units(setup.model, setup.image_size, tp)
     for _ in range(accum - 1 if dp > 1 else accum):
         _forward_backward(s, lus, local)
