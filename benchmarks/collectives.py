@@ -109,9 +109,9 @@ def main():
     p.add_argument("--cold", action="store_true", help="evict the caches before every call and time each call "
                    "alone (barrier first), as a training step's collective meets its buffers: on a CPU a warm loop "
                    "keeps messages up to the L3's size in cache, which a step's activations have evicted")
-    p.add_argument("--meet", action="store_true", help="also time what ranks pay to meet: an all-reduce of the "
-                   "smallest size issued straight after each rank's own work, no barrier, against the same call "
-                   "after a barrier (JSON: meet_ms)")
+    p.add_argument("--meet", action="store_true", help="also time what ranks pay to meet: a 16 KiB all-reduce "
+                   "issued straight after each rank's own work, no barrier, against the same call after a "
+                   "barrier (JSON: meet_ms)")
     p.add_argument("--json", default="", help="also write the points (kind, S bytes, seconds) here (rank 0)")
     a = p.parse_args()
     cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
@@ -162,7 +162,7 @@ def main():
                 print(f"{kind:>15} {nbytes:>12} {t * 1e6:>10.1f} {algbw:>11.3f} {algbw * bus_factor(kind, n):>11.3f}",
                       flush=True)
             s *= 2
-    meet = _meet(n, size(a.min_bytes), device, flush, a.iters) if a.meet else None
+    meet = _meet(n, 16 * 1024, device, flush, a.iters) if a.meet else None
     if meet is not None and rank == 0:
         print(f"meeting: {meet * 1e3:.3f} ms per collective over one after a barrier", flush=True)
     if a.json and rank == 0:

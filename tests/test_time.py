@@ -477,6 +477,10 @@ def test_link_interpolates_the_measured_sizes_and_extends_past_them():
     line = Link(link.busbw_gbps, link.latency_us)
     # below the smallest size: back along the first segment (a convex curve's fitted latency can be 0)
     assert link.ms("all_gather", 1024, 2) == pytest.approx(1.0 - (mib - 1024) * 19.5 / (31 * mib))
+    # never up going back: a first segment that falls (two noisy small points) holds its first point's time
+    falling = find_link({"links": {"2": fit_link([("broadcast", 16384, 0.78e-3), ("broadcast", 32768, 0.42e-3),
+                                                  ("broadcast", 65536, 0.66e-3)], 2)}}, 2)
+    assert falling.ms("broadcast", 256, 2) == pytest.approx(0.78)
     unmeasured = Link({**link.busbw_gbps, "all_reduce": 1.0}, {**link.latency_us, "all_reduce": 0.0},
                       points=link.points, world=2)
     assert unmeasured.ms("all_reduce", 48 * mib, 2) == pytest.approx(48 * mib / 1e9 * 1e3)
@@ -641,6 +645,7 @@ def test_calibrate_fits_the_median_collectives_of_its_repeats(monkeypatch):
 
     def fake_run(cmd, **kw):
         assert "--cold" in cmd and "--meet" in cmd  # a CPU step's collectives find their buffers evicted
+        assert cmd[cmd.index("--min-bytes") + 1] == "256"  # a BatchNorm's 64 weights: measured, not extrapolated
         with open(cmd[cmd.index("--json") + 1], "w") as fh:
             json.dump(next(draws), fh)
         return types.SimpleNamespace(returncode=0, stderr="")

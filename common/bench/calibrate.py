@@ -306,7 +306,7 @@ def _collectives(world: int, device: str, threads: int, max_bytes: str) -> dict:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(world),
                "--master_port", str(_free_port()), os.path.join(ROOT, "benchmarks", "collectives.py"),
-               "--device", device, "--min-bytes", "16K", "--max-bytes", max_bytes, "--iters", "10", "--json", out,
+               "--device", device, "--min-bytes", "256", "--max-bytes", max_bytes, "--iters", "10", "--json", out,
                # a step's collectives find their buffers out of cache, and meet ranks coming from their work
                "--meet", *(["--cold"] if device == "cpu" else [])]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
