@@ -477,10 +477,18 @@ def test_link_interpolates_the_measured_sizes_and_extends_past_them():
     line = Link(link.busbw_gbps, link.latency_us)
     # below the smallest size: back along the first segment (a convex curve's fitted latency can be 0)
     assert link.ms("all_gather", 1024, 2) == pytest.approx(1.0 - (mib - 1024) * 19.5 / (31 * mib))
-    # never up going back: a first segment that falls (two noisy small points) holds its first point's time
+    # a message is never faster than a smaller one: points that fall with size (noisy cold small calls) are
+    # pooled to their mean (the least-squares non-decreasing fit), and below them it holds
     falling = find_link({"links": {"2": fit_link([("broadcast", 16384, 0.78e-3), ("broadcast", 32768, 0.42e-3),
-                                                  ("broadcast", 65536, 0.66e-3)], 2)}}, 2)
-    assert falling.ms("broadcast", 256, 2) == pytest.approx(0.78)
+                                                  ("broadcast", 65536, 0.66e-3), ("broadcast", 131072, 0.5e-3)],
+                                                 2)}}, 2)
+    # (0.78, 0.42 pool to 0.60; 0.66, 0.5 to 0.58, under it: all four to 0.59)
+    assert [s for s, _ in falling.points["broadcast"]] == [16384, 32768, 65536, 131072]
+    assert [t for _, t in falling.points["broadcast"]] == pytest.approx([0.59] * 4)
+    assert falling.ms("broadcast", 256, 2) == pytest.approx(0.59)
+    rising = find_link({"links": {"2": fit_link([("broadcast", 16384, 0.5e-3), ("broadcast", 32768, 0.9e-3),
+                                                 ("broadcast", 65536, 0.7e-3)], 2)}}, 2)
+    assert [t for _, t in rising.points["broadcast"]] == pytest.approx([0.5, 0.8, 0.8])
     unmeasured = Link({**link.busbw_gbps, "all_reduce": 1.0}, {**link.latency_us, "all_reduce": 0.0},
                       points=link.points, world=2)
     assert unmeasured.ms("all_reduce", 48 * mib, 2) == pytest.approx(48 * mib / 1e9 * 1e3)

@@ -122,8 +122,25 @@ def find_link(data: dict | None, world: int):
         return None
     return Link(busbw_gbps={k: v["busbw_gbps"] for k, v in got.items()},
                 latency_us={k: v["latency_us"] for k, v in got.items()}, source=f"calibrated at {world} ranks",
-                points={k: [tuple(p) for p in v["points"]] for k, v in got.items() if v.get("points")},
+                points={k: monotone([tuple(p) for p in v["points"]]) for k, v in got.items() if v.get("points")},
                 world=world, meet_ms=float(data.get("meets", {}).get(str(world), 0.0)))
+
+
+def monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The least-squares non-decreasing fit of (S, ms) points in size order (pool adjacent violators): a
+    message is never faster than a smaller one, but single cold calls of a few KiB scatter by +-0.5 ms
+    (a broadcast at 256 B 1.51 ms, 4 KiB 0.21, 16 KiB 0.92 in one calibration), and DDP+ZeRO's 62
+    per-parameter broadcasts, most under 2 KiB, summed that scatter: 29-73 ms over three calibrations
+    interpolated point to point, 49-63 pooled, against about 45 measured in its steps."""
+    blocks: list[list] = []  # [sum of ms, count, sizes]
+    for size, ms in sorted(points):
+        blocks.append([ms, 1, [size]])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count, sizes = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+            blocks[-1][2] += sizes
+    return [(size, total / count) for total, count, sizes in blocks for size in sizes]
 
 
 def fit_link(points: list[tuple[str, int, float]], world: int) -> dict:

@@ -94,7 +94,8 @@ class Compute:
 @dataclass(frozen=True)
 class Link:
     """Collective time = latency + S x bus factor / busbw, per kind (falling back to all_reduce's). Where the
-    calibration measured the kind (`points`: [(S bytes, ms)] at this world size, ascending), a size inside
+    calibration measured the kind (`points`: [(S bytes, ms)] at this world size, ascending, made
+    non-decreasing by calibration.monotone), a size inside
     the measured range is interpolated between its two neighbours and one past the largest continues from
     it at the fitted bandwidth: gloo's time is not one line over sizes (2 ranks, 2 cores: a 32 MiB
     all-gather 20.5 ms, 42.7 MiB 30.8, 64 MiB 67.5; the line through 16 KiB-32 MiB gave 27 ms at 42.7)."""
