@@ -315,7 +315,9 @@ def _time(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     errors = med.pred_time_error_pct.dropna().abs()
     if len(errors):
         lines += ["", f"Prediction error over {len(errors)} runs: median {errors.median():.1f}%, "
-                      f"largest {errors.max():.1f}% ({errors.idxmax()})."]
+                      f"largest {errors.max():.1f}% ({errors.idxmax()}); {int((errors <= 15).sum())} of "
+                      f"{len(errors)} within 15%."]
+    lines += _time_order(ok, med)
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(med) + 1.6))
     left = [0.0] * len(med)
     for p in TIME_PARTS:
@@ -336,6 +338,31 @@ def _time(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return lines + ["", f"![{os.path.basename(path)}](charts/{os.path.basename(path)})"]
+
+
+def _time_order(ok: pd.DataFrame, med: pd.DataFrame) -> list[str]:
+    """Does the step model rank the runs as they measured? Only pairs the launches separate: each run's
+    step p50 over its launches (at least 2) is a range, and two runs whose ranges do not overlap have a
+    measured order; the predicted one is their median pred_step_ms's."""
+    spread = ok.groupby("label", sort=False).step_ms_p50.agg(["min", "max", "count"])
+    runs = [label for label in med.index if spread["count"][label] >= 2 and not math.isnan(med.pred_step_ms[label])]
+    pairs, wrong = 0, []
+    for i, a in enumerate(runs):
+        for b in runs[i + 1:]:
+            if spread["max"][a] < spread["min"][b]:
+                fast, slow = a, b
+            elif spread["max"][b] < spread["min"][a]:
+                fast, slow = b, a
+            else:
+                continue
+            pairs += 1
+            if not med.pred_step_ms[fast] < med.pred_step_ms[slow]:
+                wrong.append(f"{fast} {med.step_ms_p50[fast]:.1f} ms, predicted {med.pred_step_ms[fast]:.1f}, "
+                             f"against {slow} {med.step_ms_p50[slow]:.1f}, predicted {med.pred_step_ms[slow]:.1f}")
+    if not pairs:
+        return []
+    return ["", f"Order: {pairs - len(wrong)} of the {pairs} pairs of runs whose launches' step p50 ranges do not "
+                "overlap are predicted in the measured order" + (f"; not: {'; '.join(wrong)}." if wrong else ".")]
 
 
 def _not_ok(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:

@@ -312,6 +312,24 @@ def test_each_meeting_of_the_ranks_costs_the_links_meet_ms_once():
     assert find_link({"links": links}, 2).meet_ms == 0.0  # a calibration from before the meetings: none
 
 
+def test_each_pipeline_send_is_a_meeting():
+    """A stage sends its activation (its gradient) straight after its forward (backward), and the peer's
+    wait ends when the sender's thread gets to it: each send costs Link.meet_ms more. 2 equal stages, m
+    micro-batches, on a CPU (the send keeps its sender busy): the critical path crosses the cut 2m times
+    under GPipe, fewer under 1F1B, and every one of the 2m sends is in comm_ms."""
+    s = Setup(model="resnet18", image_size=32, batch_size=32, world_size=2, strategy="single")
+    met = dataclasses.replace(FAST, meet_ms=1.0, world=2)
+    for sched in ("pp_gpipe", "pp_1f1b"):
+        a, b = (predict_step(s, C, link, overlap=False, strategy=sched, microbatches=4, stages=[2, 2])
+                for link in (dataclasses.replace(FAST, world=2), met))
+        assert b.comm_ms - a.comm_ms == pytest.approx(8.0), sched  # 4 micro-batches, there and back
+        assert 2.0 <= b.step_ms - a.step_ms <= 8.0 + 1e-9, sched  # at least the first forward's and last backward's
+    from common.measure.timemodel import _simulate_pipeline
+
+    one = [_simulate_pipeline("pp_gpipe", [10.0, 10.0], [10.0, 10.0], [x], 1, False)[0] for x in (0.0, 1.0)]
+    assert one[1] - one[0] == pytest.approx(2.0)  # 1 micro-batch: one send each way on the path
+
+
 def test_calibrate_takes_the_least_lockstep_wait():
     """The excess of a synchronous step over the slowest run's mean is the least of the runs' mean waits,
     less the barrier's own cost (the mean wait of a run that arrived last); one run, or a run without the
@@ -579,6 +597,36 @@ def test_report_shows_components_and_prediction(tmp_path):
     assert "median 10.0%" in text  # a's three errors: 10, 5.8, 12.2 -> median 10
     assert (tmp_path / "charts").is_dir() and any(p.name.endswith("step_components.png")
                                                    for p in (tmp_path / "charts").iterdir())
+
+
+def test_report_checks_the_predicted_order_of_the_runs_the_launches_separate(tmp_path):
+    """The issue's bar, from the rows alone: runs within 15%, and for each pair whose launches' step p50
+    ranges do not overlap, the predicted order against the measured one. a (100-104 ms) and c (200-210)
+    are separated, b (98-205) overlaps both; a run of one launch has no range and is in no pair."""
+    from common.report import write_report
+    from common.results import append_row
+
+    def report(runs: dict) -> str:
+        csv = tmp_path / "s.csv"
+        csv.unlink(missing_ok=True)
+        for name, (steps, pred) in runs.items():
+            for step in steps:
+                append_row(str(csv), {"script": "pytorch_DDP.py", "status": "ok", "device_name": "CPU X",
+                                      "model": "resnet18", "image_size": 32, "global_batch_size": 32,
+                                      "dataset": "synthetic", "run_name": name, "precision": "fp32", "world_size": 2,
+                                      "throughput_img_s": 320.0, "step_ms_p50": step, "step_ms_mean": step,
+                                      "step_compute_ms": step, "pred_step_ms": pred,
+                                      "pred_time_error_pct": 100 * (pred - step) / step})
+        return open(write_report(str(csv), str(tmp_path / "R.md"))).read()
+
+    runs = {"a": ((100.0, 104.0, 102.0), 150.0), "b": ((98.0, 205.0, 150.0), 140.0),
+            "c": ((200.0, 210.0, 205.0), 120.0), "d": ((500.0,), 90.0)}
+    text = report(runs)
+    assert "0 of the 1 pairs" in text and "not: a 102.0 ms, predicted 150.0, against c 205.0, predicted 120.0" in text
+    assert "1 of 4 within 15%" in text  # b: -6.7%; a +47, c -41, d -82
+    runs["c"] = ((200.0, 210.0, 205.0), 210.0)
+    assert ("1 of the 1 pairs of runs whose launches' step p50 ranges do not overlap are predicted in the "
+            "measured order.") in report(runs)
 
 
 def test_report_scaling_puts_the_predicted_efficiency_beside_the_measured(tmp_path):

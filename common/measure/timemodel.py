@@ -36,9 +36,9 @@ order; a collective starts when its inputs are ready and the link is free:
                          micro-batch, exposed (the next op waits on each); tp_fsdp adds FSDP over dp
   pp_gpipe, pp_1f1b      simulated op by op in the order torch's schedules run them (a forward waits for
                          the previous stage's activation, a backward for the next stage's gradient, each
-                         after its send): equal stages give (m + s - 1) slots of one stage; unequal ones
-                         fill and drain at the other stages' pace (2 stages, the last the slowest: t0 +
-                         m x t1); each rank's optimizer after its own last backward, its next
+                         after its send, each send a meeting): equal stages give (m + s - 1) slots of one
+                         stage; unequal ones fill and drain at the other stages' pace (2 stages, the last
+                         the slowest: t0 + m x t1); each rank's optimizer after its own last backward, its next
                          forward waiting for it (two steps simulated, the step their period). Interleaved
                          1F1B is not simulated: (m + n - 1) slots of the slowest of the n pieces plan()
                          gives, and the largest stage's optimizer.
@@ -415,8 +415,10 @@ def _pipeline(p: StepPrediction, us, c: Compute, link: Link, overlap: bool, n: i
         fwd, bwd = _piece_shares(pieces, stages or [4])
         p.notes.append("stage shares of the measured pieces")
     micro = max(1, setup.batch_size // max(1, m))
-    # one activation forward and its gradient back per micro-batch and cut
-    sends = [link.ms("send", b * micro, 2) for b in cut_bytes]
+    # one activation forward and its gradient back per micro-batch and cut; each send is issued straight
+    # after its stage's forward or backward, and its receiver's wait ends when the sender's thread gets to
+    # it: a meeting (Link.meet_ms), as a data-parallel rank's collective after its compute
+    sends = [link.ms("send", b * micro, 2) + link.meet_ms for b in cut_bytes]
     p.comm_ms = 2 * m * sum(sends)
     p.optimizer_ms = c.opt_ms * max(params) / max(1, sum(params))
     f = [x * c.fwd_ms for x in fwd]
