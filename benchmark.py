@@ -99,6 +99,18 @@ def cmd_calibrate(opts) -> int:
     return calibrate(opts)
 
 
+def _predict_args(p):
+    from common.bench.predict import add_args
+
+    add_args(p)
+
+
+def cmd_predict(opts) -> int:
+    from common.bench.predict import predict
+
+    return predict(opts)
+
+
 def _advise_args(p):
     from common.bench.advise import add_args
 
@@ -165,6 +177,8 @@ COMMANDS = {
                _doctor_args, cmd_doctor),
     "calibrate": ("measure the step model's inputs on this machine (compute per setup, collectives per world "
                   "size) into results/calibration.json", _calibrate_args, cmd_calibrate),
+    "predict": ("predict the step time of rows already measured again, with this checkout's step model and a "
+                "calibration, beside what they measured and predicted", _predict_args, cmd_predict),
     "advise": ("predicted memory per GPU of every strategy for a model, batch and GPU count, and which to use "
                "(no GPU needed)", _advise_args, cmd_advise),
 }

@@ -198,6 +198,7 @@ ADVISE_BAD = [
     (["advise", "--gpu-memory-gib", "24", "--model", "nonet"], "unknown model 'nonet'"),
     # refused before the compute entries' minutes, not after them
     (["calibrate", "--preset", "smoke", "--link-max-bytes", "64Q"], "--link-max-bytes '64Q': a size of at least 16K"),
+    (["calibrate", "--preset", "smoke", "--link-min-bytes", "1G"], "--link-min-bytes '1G': a size from 256 up to"),
 ]
 
 

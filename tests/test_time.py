@@ -3,6 +3,7 @@ exposed communication by phase (comm.py), the step model (timemodel.py), its cal
 shared runs' columns."""
 import dataclasses
 import time
+import types
 from contextlib import nullcontext
 
 import pytest
@@ -11,7 +12,7 @@ from test_comm import ev
 from test_window import TinyNet
 
 from common.config import TrainConfig, UsageError
-from common.measure.calibration import find_compute, fit_link, key
+from common.measure.calibration import find_compute, find_link, fit_link, key
 from common.measure.comm import analyze
 from common.measure.memory import Setup
 from common.measure.stepparts import StepParts
@@ -296,11 +297,13 @@ def test_each_meeting_of_the_ranks_costs_the_links_meet_ms_once():
     gradients: DDP's 3 buckets ready at 3 units (3), + ZeRO's broadcasts back to back after the optimizer
     (4); FSDP shard-grad-op: the root's and 8 blocks' gathers, each before its forward, and 9 reduce-
     scatters, each after its backward (18); full-shard adds the backward's first gather, the others
-    prefetched beside a reduce-scatter (19); ZeRO-3 + the norm's all-reduce (20); ZeRO-1/2: the buckets
-    after the backward, the norm, the gather after the optimizer (3). One process meets nobody."""
+    prefetched beside a reduce-scatter (19); ZeRO-3: the gathers of the 6 blocks of layer2-4 (the stem's,
+    layer1's and the head's weights are under 1e5 elements: persistent), one bucket of gradients
+    reduce-scattered after the backward, the norm, the persistent weights' gather after the step (9);
+    ZeRO-1/2: the buckets after the backward, the norm, the gather after the optimizer (3). One process meets nobody."""
     met = dataclasses.replace(FAST, meet_ms=1.0)
     want = {"ddp": 3, "accelerate_ddp": 3, "ddp_zero": 4, "fsdp_shard-grad-op": 18, "fsdp_full-shard": 19,
-            "deepspeed_zero3": 20, "deepspeed_zero1": 3, "deepspeed_zero2": 3, "dp": 0}
+            "deepspeed_zero3": 9, "deepspeed_zero1": 3, "deepspeed_zero2": 3, "dp": 0}
     for st, meetings in want.items():
         a, b = (predict_step(setup(st), C, link, overlap=False) for link in (FAST, met))
         assert b.step_ms - a.step_ms == pytest.approx(meetings) and b.comm_ms - a.comm_ms == pytest.approx(meetings), st
@@ -520,8 +523,42 @@ def test_ddp_zero_broadcasts_take_the_points_of_its_world_size():
     at any n), so a calibration at 4 ranks serves a 4-rank run with its measured points."""
     flat = Link({"all_reduce": 1e6, "broadcast": 1e6}, {"all_reduce": 0.0, "broadcast": 0.0}, world=4,
                 points={"broadcast": [(16.0, 5.0), (1e9, 5.0)]})
-    zero, ddp = (predict_step(setup(st, 4), C, flat, overlap=False) for st in ("ddp_zero", "ddp"))
-    assert zero.comm_ms - ddp.comm_ms == pytest.approx(62 * 5.0, abs=0.1)  # resnet18's 62 parameters
+    # resnet18's 62 parameters, issued with async_op=True and waited together: NCCL (a GPU: overlap) runs
+    # them one after another on its stream, gloo two at a time on its process group's two threads
+    for overlap, lanes in ((True, 1), (False, 2)):
+        zero, ddp = (predict_step(setup(st, 4), C, flat, overlap=overlap) for st in ("ddp_zero", "ddp"))
+        assert zero.comm_ms - ddp.comm_ms == pytest.approx(62 * 5.0 / lanes, abs=0.1), overlap
+    from common.measure.timemodel import _on_lanes
+
+    assert _on_lanes([3.0, 1.0, 1.0, 1.0], 2) == 3.0 and _on_lanes([1.0, 2.0, 3.0], 1) == 6.0
+
+
+def test_zero3_gathers_once_while_its_reuse_distance_holds_the_weights():
+    """DeepSpeed ZeRO-3 keeps a module's gathered weights for their reuse in backward when it comes within
+    stage3_max_reuse_distance elements (1e9 by default: resnet18's 11.7M twice over is within), gathers
+    weights of at most stage3_param_persistence_threshold elements (1e5) once, after the optimizer step
+    (stage3.py _post_step), and reduce-scatters the gradients in reduce_bucket_size buckets. At 1 GB/s
+    with no latency a collective's ms is its bytes: every weight gathered once and every gradient
+    reduce-scattered once, as shard-grad-op (the rows measured 2 x 44.7 MB a step); a reuse distance of
+    1000 elements brings the backward's gathers back. The persistent ones after the step, in one call:
+    9 meetings; with none persistent, 11 (the root's and 8 blocks' gathers, the bucket, the norm)."""
+    bw = Link({"all_reduce": 1.0}, {"all_reduce": 0.0})
+    ms = 0.5 * 4 / 1e6  # per element: fp32, bus factor (n - 1) / n at 2 ranks, 1 GB/s
+    params = [x for u in units("resnet18", 32) for x in u.params]
+    persistent, gathered = sum(x for x in params if x <= 100_000), sum(x for x in params if x > 100_000)
+    z3, sgo = (predict_step(setup(st), C, bw, overlap=False).comm_ms
+               for st in ("deepspeed_zero3", "fsdp_shard-grad-op"))
+    assert persistent > 0 and z3 == pytest.approx(sgo, rel=1e-6)
+    again = predict_step(setup("deepspeed_zero3", zero={"stage3_max_reuse_distance": 1000}), C, bw,
+                         overlap=False).comm_ms
+    assert again - z3 == pytest.approx(gathered * ms, rel=1e-3)
+    met = dataclasses.replace(FAST, meet_ms=1.0)
+    for zero, meetings in (({}, 9), ({"stage3_param_persistence_threshold": 0}, 11)):
+        a, b = (predict_step(setup("deepspeed_zero3", zero=zero), C, link, overlap=False) for link in (FAST, met))
+        assert b.step_ms - a.step_ms == pytest.approx(meetings), zero
+    # gradients in buckets of 1M elements instead of one: the same bytes, more reduce-scatters
+    bucketed = predict_step(setup("deepspeed_zero3", zero={"reduce_bucket_size": 1_000_000}), C, FAST, overlap=False)
+    assert bucketed.comm_ms > predict_step(setup("deepspeed_zero3"), C, FAST, overlap=False).comm_ms
 
 
 def test_calibrate_times_collectives_up_to_the_models_whole_gradient():
@@ -536,6 +573,12 @@ def test_calibrate_times_collectives_up_to_the_models_whole_gradient():
     for bad in ("64Q", "M", "8K", "-1M", ""):
         with pytest.raises(UsageError, match="--link-max-bytes"):
             _link_max(bad, "resnet50", 32)
+    from common.bench.calibrate import _link_min
+
+    assert _link_min("256", "64M") == "256" and _link_min("64k", "64M") == "64k" and _link_min("64M", "64M") == "64M"
+    for bad in ("255", "128M", "1Q", ""):
+        with pytest.raises(UsageError, match="--link-min-bytes"):
+            _link_min(bad, "64M")
 
 
 def test_calibration_lookup_exact_scaled_and_refused():
@@ -627,6 +670,48 @@ def test_report_checks_the_predicted_order_of_the_runs_the_launches_separate(tmp
     runs["c"] = ((200.0, 210.0, 205.0), 210.0)
     assert ("1 of the 1 pairs of runs whose launches' step p50 ranges do not overlap are predicted in the "
             "measured order.") in report(runs)
+
+
+def test_predict_again_reads_the_rows_setup_and_a_calibration(tmp_path, capsys):
+    """benchmark.py predict: each row's step by this checkout's model from the row's own setup (strategy,
+    world, micro-batch, threads, device name, loader rate) and a calibration, beside the row's prediction.
+    A DDP run and a single-device run on "CPU X" (not this machine: the row's name is used); the now
+    column equals predict_step on the same inputs, the rows' column is the rows' own."""
+    import json
+
+    from common.bench.predict import predict
+    from common.results import append_row
+
+    plain, own = {"fwd_ms": 10.0, "bwd_ms": 20.0, "opt_ms": 5.0}, {"fwd_ms": 20.0, "bwd_ms": 40.0, "opt_ms": 6.0}
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"device_name": "CPU X", "links": {"2": {"all_reduce": {"latency_us": 1000.0,
+                                                                                       "busbw_gbps": 1.0}}},
+                               "compute": {key("resnet18", 32, 16, "fp32", "sgd", 1, 2): plain,
+                                           key("resnet18", 32, 8, "fp32@ddp", "sgd", 2, 1): own}}))
+    csv = str(tmp_path / "s.csv")
+    runs = {"one": ("pytorch_SingleGPU.py", "single", 1, 2, (60.0, 62.0)),
+            "two": ("pytorch_DDP.py", "ddp", 2, 1, (120.0, 130.0))}
+    for name, (script, strategy, world, threads, steps) in runs.items():
+        for k, step in enumerate(steps):
+            append_row(csv, {"script": script, "strategy": strategy, "status": "ok", "device": "cpu",
+                             "device_name": "CPU X", "model": "resnet18", "image_size": 32, "global_batch_size": 16,
+                             "dataset": "synthetic", "run_name": name, "precision": "fp32", "world_size": world,
+                             "optimizer": "sgd", "grad_accum": 1, "cpu_threads": threads, "loader_img_s": 1600.0,
+                             "repeat": k + 1, "step_ms_p50": step, "pred_step_ms": 100.0})
+    assert predict(types.SimpleNamespace(results=csv, calibration=str(cal), workers=0)) == 0
+    out = capsys.readouterr().out
+    one = predict_step(Setup(model="resnet18", image_size=32, batch_size=16, world_size=1, strategy="single"),
+                       Compute(10.0, 20.0, 5.0, 10.0), Link(), overlap=False).step_ms
+    two = predict_step(Setup(model="resnet18", image_size=32, batch_size=16, world_size=2, strategy="ddp"),
+                       Compute(20.0, 40.0, 6.0, 10.0), find_link(json.loads(cal.read_text()), 2), overlap=False)
+    assert one == pytest.approx(45.0)  # 30 compute + 5 optimizer + 16 images at 1600/s
+    line = next(x for x in out.splitlines() if x.startswith("one "))
+    err = [f"{100 * (x - 61) / 61:+.1f}" for x in (100.0, one)]
+    assert line.split()[-4:] == ["100.0", err[0], f"{one:.1f}", err[1]]
+    assert next(x for x in out.splitlines() if x.startswith("two ")).split()[-2] == f"{two.step_ms:.1f}"
+    assert "now: median error" in out and "1 of the 1 pairs" in out
+    with pytest.raises(UsageError, match="calibration file not found"):
+        predict(types.SimpleNamespace(results=csv, calibration=str(tmp_path / "none.json"), workers=0))
 
 
 def test_report_scaling_puts_the_predicted_efficiency_beside_the_measured(tmp_path):
@@ -736,7 +821,7 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
     proc = subprocess.run([sys.executable, "benchmark.py", "calibrate", "--preset", "t", "--matrix", str(matrix),
                            "--model", "resnet18", "--image-size", "32",
                            "--batch-size", "16", "--world-sizes", "1,2", "--microbatches", "2", "--steps", "2",
-                           "--link-max-bytes", "256K", "--threads", "1", "--out", str(cal)],
+                           "--link-min-bytes", "64K", "--link-max-bytes", "256K", "--threads", "1", "--out", str(cal)],
                           cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(cal.read_text())

@@ -58,6 +58,8 @@ def add_args(p) -> None:
     p.add_argument("--link-max-bytes", default="auto", help="largest collective message timed (K, M, G suffixes); "
                    "auto: the power of two at or above the model's fp32 parameter bytes, at least 32M (DeepSpeed "
                    "all-reduces and all-gathers them whole: resnet18's 45 MB, 64M; resnet50's 102 MB, 128M)")
+    p.add_argument("--link-min-bytes", default="256", help="smallest collective message timed (default 256: a "
+                   "BatchNorm's weights, which DDP+ZeRO broadcasts one by one; sizes double up to the largest)")
     p.add_argument("--no-strategies", action="store_true", help="skip the distributed runs of the preset on one "
                    "process (each strategy's own host work; fp32)")
     p.add_argument("--out", default=os.path.join("results", "calibration.json"), help="the calibration file")
@@ -286,27 +288,27 @@ def _median_pieces(draws: list[list[tuple[float, float]]]) -> list[tuple[float, 
 
 
 def _links(world: int, device: str, threads: int, max_bytes: str = "32M", repeats: int = 1,
-           taken: tuple = ()) -> tuple[dict, float]:
+           taken: tuple = (), min_bytes: str = "256") -> tuple[dict, float]:
     """The collectives at `world` ranks, fitted per kind, and the meeting's ms; with repeats, each (kind,
     size)'s median time over the launches (one launch of benchmarks/collectives.py can catch the machine
     in a slow spell). `taken`: launches made earlier in the calibration, counted among the repeats."""
     from ..measure.calibration import fit_link
 
     taken = iter(taken)
-    times = _median_of(repeats, lambda: (next(taken, None) or _collectives(world, device, threads, max_bytes),
-                                         None))[0]
+    launch = lambda: _collectives(world, device, threads, max_bytes, min_bytes)  # noqa: E731
+    times = _median_of(repeats, lambda: (next(taken, None) or launch(), None))[0]
     meet = times.pop(("meet", 0), 0.0)
     return fit_link([(kind, nbytes, t) for (kind, nbytes), t in times.items()], world), meet
 
 
-def _collectives(world: int, device: str, threads: int, max_bytes: str) -> dict:
+def _collectives(world: int, device: str, threads: int, max_bytes: str, min_bytes: str = "256") -> dict:
     """One launch of benchmarks/collectives.py: {(kind, S bytes): seconds}."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "c.json")
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(world),
                "--master_port", str(_free_port()), os.path.join(ROOT, "benchmarks", "collectives.py"),
-               "--device", device, "--min-bytes", "256", "--max-bytes", max_bytes, "--iters", "10", "--json", out,
+               "--device", device, "--min-bytes", min_bytes, "--max-bytes", max_bytes, "--iters", "10", "--json", out,
                # a step's collectives find their buffers out of cache, and meet ranks coming from their work
                "--meet", *(["--cold"] if device == "cpu" else [])]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -317,15 +319,27 @@ def _collectives(world: int, device: str, threads: int, max_bytes: str) -> dict:
         return {**{(kind, nbytes): t for kind, nbytes, t in got["points"]}, ("meet", 0): got.get("meet_ms", 0.0)}
 
 
+def _nbytes(text: str) -> float:
+    """A size as benchmarks/collectives.py reads it (K, M, G: powers of 1024); 0 if it is not one."""
+    got = re.fullmatch(r"(\d+(?:\.\d+)?)([KMG]?)", text.strip(), re.IGNORECASE)
+    return float(got[1]) * {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}[got[2].upper()] if got else 0.0
+
+
+def _link_min(text: str, max_bytes: str) -> str:
+    """--link-min-bytes: from 256 B (a BatchNorm's 64 weights, which DDP+ZeRO broadcasts alone) up to
+    the largest size."""
+    if not 256 <= _nbytes(text) <= _nbytes(max_bytes):
+        raise UsageError(f"--link-min-bytes {text!r}: a size from 256 up to --link-max-bytes ({max_bytes})")
+    return text.strip()
+
+
 def _link_max(text: str, model: str, image: int) -> str:
     """--link-max-bytes: as given, or (auto) the power of two at or above the model's fp32 parameter bytes
     and at least 32 MiB: the largest message of a run (DeepSpeed's whole-model bucket and all-gather) is
     then measured, not extrapolated."""
     if text != "auto":
         # checked here, before the compute entries' minutes: a typo found after them would waste them
-        got = re.fullmatch(r"(\d+(?:\.\d+)?)([KMG]?)", text.strip(), re.IGNORECASE)
-        nbytes = float(got[1]) * {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}[got[2].upper()] if got else 0
-        if nbytes < 16 * 1024:  # benchmarks/collectives.py starts at 16K
+        if _nbytes(text) < 16 * 1024:  # at least the meeting's 16 KiB all-reduce
             raise UsageError(f"--link-max-bytes {text!r}: a size of at least 16K (K, M, G suffixes), or auto")
         return text.strip()
     from ..measure.timemodel import units
@@ -389,6 +403,7 @@ def calibrate(opts) -> int:
     if opts.repeats < 1:
         raise UsageError(f"--repeats {opts.repeats}: at least 1 launch")
     max_bytes = _link_max(opts.link_max_bytes, model, image)
+    min_bytes = _link_min(opts.link_min_bytes, max_bytes)
     data = load(opts.out) or {}
     timed = set()
     fp = fingerprint(device)
@@ -400,7 +415,7 @@ def calibrate(opts) -> int:
         # with --repeats, the collectives' launches are spread over this world size's entries, not back to
         # back: a CPU's loopback moved between two states within an hour (all-reduce 0.94-1.57 GB/s), and
         # launches minutes apart take the median of the state the runs will see
-        early = [_collectives(n, device.type, threads, max_bytes)] if n > 1 and opts.repeats > 1 else []
+        early = [_collectives(n, device.type, threads, max_bytes, min_bytes)] if n > 1 and opts.repeats > 1 else []
         micro = {max(1, batch // n)} | ({max(1, batch // opts.microbatches)} if opts.microbatches and n > 1 else set())
         for mode in modes:
             for b in sorted(micro):
@@ -425,7 +440,7 @@ def calibrate(opts) -> int:
                     data.setdefault("pieces", {})[k] = got
                     print(f"pieces {k}: " + ", ".join(f"{f:.2f}+{b:.2f} ms" for f, b in got), flush=True)
         if n > 1 and opts.repeats > 2:
-            early.append(_collectives(n, device.type, threads, max_bytes))
+            early.append(_collectives(n, device.type, threads, max_bytes, min_bytes))
         if not opts.no_strategies:  # at 1 too: a --world-sizes 1,2 run's first point is the script alone
             for mode in [m for m in modes if m == "fp32"]:
                 spec = {"model": model, "image_size": image, "batch": max(1, batch // n), "mode": mode,
@@ -436,7 +451,7 @@ def calibrate(opts) -> int:
                     print(f"compute {k}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
                           f"optimizer {got['opt_ms']:.2f} ms", flush=True)
         if n > 1:
-            links, meet = _links(n, device.type, threads, max_bytes, opts.repeats, tuple(early))
+            links, meet = _links(n, device.type, threads, max_bytes, opts.repeats, tuple(early), min_bytes)
             data["links"][str(n)] = links
             data.setdefault("meets", {})[str(n)] = round(meet, 4)
             print(f"link {n} ranks: a meeting {meet:.3f} ms per run of collectives after compute", flush=True)

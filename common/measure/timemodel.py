@@ -30,7 +30,12 @@ order; a collective starts when its inputs are ready and the link is free:
                          gradient norm's one-element all-reduce (get_grad_norm_direct: compute_grad_norm
                          is on by default, zero/config.py), as in ZeRO-3 (stage3.py _get_norm_groups),
                          and in half precision the overflow check's (has_overflow; ZeRO-3: fp16 only)
-  deepspeed_zero3        as fsdp_full-shard, units as above
+  deepspeed_zero3        per unit an all-gather before its forward, prefetched, of the weights above
+                         stage3_param_persistence_threshold elements (the rest are gathered once, after
+                         the optimizer step, _post_step); no
+                         gather in backward while the step's trace (2 x the model's elements) is within
+                         stage3_max_reuse_distance (1e9: the weights stay gathered); the gradients
+                         reduce-scattered in reduce_bucket_size buckets; the norm's all-reduce
   dp                     (one process, n GPUs) weights broadcast and gradients reduced, not overlapped
   tp, tp_fsdp            the tp rank's share of the FLOPs, plus 4 activation all-reduces per block and
                          micro-batch, exposed (the next op waits on each); tp_fsdp adds FSDP over dp
@@ -76,6 +81,9 @@ from .memory import DS_REDUCE_BUCKET, ITEMSIZE, Setup, meta_model
 
 FIRST_BUCKET_BYTES = 1024 ** 2  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 BUCKET_BYTES = 25 * 1024 ** 2  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB
+GLOO_THREADS = 2  # ProcessGroupGloo::Options threads{2}: a process group's async work runs on two threads
+# deepspeed/runtime/zero/config.py: max_reuse_distance and param_persistence_threshold's defaults
+DS_REUSE_DISTANCE, DS_PERSISTENCE = 1_000_000_000, 100_000
 
 
 @dataclass(frozen=True)
@@ -240,6 +248,15 @@ def _buckets(params: list[tuple[int, int]], elem_bytes: int, first: int, cap: in
     return out + [(min(units_), float(size))] if units_ else out
 
 
+def _on_lanes(times: list[float], lanes: int) -> float:
+    """The makespan of work queued in order and taken by the first of `lanes` workers to be free."""
+    free = [0.0] * max(1, lanes)
+    for t in times:
+        i = free.index(min(free))
+        free[i] += t
+    return max(free)
+
+
 def _forward_backward(s: _Schedule, us, c: Compute) -> tuple[list[int], list[int]]:
     fwd, bwd, last = [], [None] * len(us), ()
     for u in us:
@@ -290,15 +307,33 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
             prev = (s.add("comm", link.ms("all_reduce", nbytes, n), (bwd[unit], *prev)),)
         if st == "ddp_zero":
             shard = 1.0 / n
-            post = sum(link.ms("broadcast", x * w_bytes, n) for _, x in params)  # one per parameter; bus factor 1
+            # one per parameter (bus factor 1), issued with async_op=True and waited together
+            # (ZeroRedundancyOptimizer._broadcast_params_from_rank): NCCL runs them in order on its stream,
+            # gloo on its process group's worker threads (ProcessGroupGloo.hpp Options: threads{2})
+            post = _on_lanes([link.ms("broadcast", x * w_bytes, n) for _, x in params], 1 if overlap else GLOO_THREADS)
             meets = 1  # issued back to back
     elif st.startswith(("fsdp_full-shard", "fsdp_shard-grad-op", "fsdp_hybrid", "accelerate_fsdp",
                         "deepspeed_zero3", "accelerate_deepspeed_zero3")):
         shard = 1.0 / n
-        regather = not st.startswith("fsdp_shard-grad-op")
-        _fsdp(s, us, c, link, n, w_bytes, g_bytes, regather)
+        regather, persist, bucket = not st.startswith("fsdp_shard-grad-op"), 0, 0
+        if st.startswith(("deepspeed", "accelerate_deepspeed")):
+            z = setup.zero
+            # partitioned_param_coordinator.__params_to_release: a module's weights stay gathered after its
+            # forward when they are used again within stage3_max_reuse_distance elements of the trace
+            # (forward then backward: at most 2 x the model's); parameter_offload.mark_persistent_parameters:
+            # weights of at most stage3_param_persistence_threshold elements are never partitioned; stage3.py
+            # reduce_independent_p_g_buckets_and_remove_grads: gradients reduce-scattered per reduce_bucket_size
+            regather = 2 * numel > int(z.get("stage3_max_reuse_distance", DS_REUSE_DISTANCE))
+            persist = int(z.get("stage3_param_persistence_threshold", DS_PERSISTENCE))
+            bucket = int(z.get("reduce_bucket_size", DS_REDUCE_BUCKET)) * g_bytes
+        _fsdp(s, us, c, link, n, w_bytes, g_bytes, regather, persist, bucket)
         if st.startswith(("deepspeed", "accelerate_deepspeed")):
             post, meets = link.ms("all_reduce", 4, n), 1  # the gradient norm (stage3.py _get_norm_groups)
+            # the persistent weights' optimizer state is partitioned too: stage3.py _post_step all-gathers
+            # them, in one call, after every step
+            kept = sum(x for u in us for x in u.params if x <= persist)
+            if kept:
+                post, meets = post + link.ms("all_gather", kept * w_bytes, n), 2
             if setup.precision == "fp16":  # stage3.py _overflow_check_and_loss_scale_update: fp16 only
                 post += link.ms("all_reduce", 4, n)
     elif st.startswith(("deepspeed_zero1", "deepspeed_zero2", "accelerate_deepspeed_zero1",
@@ -336,11 +371,19 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     return p
 
 
-def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_bytes: int, regather: bool) -> None:
-    """FSDP2 (and ZeRO-3) per unit; the stem and head form the root unit, gathered first."""
-    root = sum(us[0].params) + sum(us[-1].params) if len(us) > 1 else 0
+def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_bytes: int, regather: bool,
+          persist: int = 0, bucket: int = 0) -> None:
+    """FSDP2 (and ZeRO-3) per unit; the stem and head form the root unit, gathered first. ZeRO-3: weights
+    of at most `persist` elements are never partitioned (not gathered), and the gradients are
+    reduce-scattered in buckets of `bucket` bytes as they are ready, not per unit."""
+    def gathered(u) -> int:
+        return sum(x for x in u.params if x > persist)
+
+    root = gathered(us[0]) + gathered(us[-1]) if len(us) > 1 else 0
     blocks = list(range(1, len(us) - 1)) if len(us) > 1 else [0]
-    size = {i: sum(us[i].params) for i in blocks}
+    size = {i: gathered(us[i]) for i in blocks}
+    grads = {i: sum(us[i].params) for i in range(len(us))}
+    done = {}  # unit -> its backward
     ag_root = s.add("comm", link.ms("all_gather", root * w_bytes, n)) if root else None
     last = (ag_root,) if ag_root is not None else ()
     fwd = {}
@@ -352,7 +395,8 @@ def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_byte
         fwd[i] = s.add("compute", c.fwd_ms * us[i].share, (*last, ag))
         last = (fwd[i],)
     if len(us) > 1:
-        last = (s.add("compute", c.fwd_ms * us[-1].share + c.bwd_ms * us[-1].share, last),)
+        last = (done.setdefault(len(us) - 1, s.add("compute", c.fwd_ms * us[-1].share + c.bwd_ms * us[-1].share,
+                                                     last)),)
     order = list(reversed(blocks))
     gathers = {}
     for k, i in enumerate(order):
@@ -361,12 +405,18 @@ def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_byte
         if regather and k + 1 < len(order):  # prefetch the next unit's gather when this one starts
             j = order[k + 1]
             gathers[j] = s.add("comm", link.ms("all_gather", size[j] * w_bytes, n), last)
-        b = s.add("compute", c.bwd_ms * us[i].share, (*last, gathers[i]) if regather else last)
-        s.add("comm", link.ms("reduce_scatter", size[i] * g_bytes, n), (b,))
+        b = done[i] = s.add("compute", c.bwd_ms * us[i].share, (*last, gathers[i]) if regather else last)
+        if not bucket:
+            s.add("comm", link.ms("reduce_scatter", grads[i] * g_bytes, n), (b,))
         last = (b,)
     if len(us) > 1:
-        b = s.add("compute", c.bwd_ms * us[0].share, last)
-        s.add("comm", link.ms("reduce_scatter", root * g_bytes, n), (b,))
+        b = done[0] = s.add("compute", c.bwd_ms * us[0].share, last)
+        if not bucket:
+            s.add("comm", link.ms("reduce_scatter", (grads[0] + grads[len(us) - 1]) * g_bytes, n), (b,))
+    if bucket:  # a bucket goes when its earliest unit's backward is done
+        params = [(i, x) for i in range(len(us)) for x in us[i].params]
+        for unit, nbytes in _buckets(params, g_bytes, bucket, bucket):
+            s.add("comm", link.ms("reduce_scatter", nbytes, n), (done[unit],))
 
 
 def _tensor_parallel(p: StepPrediction, setup: Setup, c: Compute, link: Link, overlap: bool) -> StepPrediction:

@@ -26,9 +26,13 @@ from .timemodel import Compute, Link, predict_step
 
 
 class TimePrediction(Instrument):
-    def __init__(self, cfg, setup, device: torch.device, steptimes, loader_img_s: float | None, strategy: str):
+    def __init__(self, cfg, setup, device: torch.device, steptimes, loader_img_s: float | None, strategy: str,
+                 where: tuple | None = None):
         self.cfg, self.setup, self.device, self.steptimes = cfg, setup, device, steptimes
         self.loader_img_s, self.strategy = loader_img_s, strategy
+        # (device name, processes on the node, threads per process) of a run re-predicted from its row
+        # (benchmark.py predict); None: this process's own
+        self.where = where
 
     def predict(self):
         """(StepPrediction, None) or (None, why)."""
@@ -45,9 +49,11 @@ class TimePrediction(Instrument):
         micro = s.batch_size // cfg.microbatches if pp else s.micro_batch
         mode = compute_mode(s.strategy, s.precision)
         cuda = self.device.type == "cuda"
-        procs = 1 if cuda else int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
-        args = (data, device_name(self.device), s.model, s.image_size, micro)
-        rest = (s.optimizer, procs, 1 if cuda else torch.get_num_threads(), s.channels_last)
+        name, procs, threads = self.where or (device_name(self.device), int(os.environ.get(
+            "LOCAL_WORLD_SIZE", world_size())), torch.get_num_threads())
+        procs, threads = (1, 1) if cuda else (procs, threads)
+        args = (data, name, s.model, s.image_size, micro)
+        rest = (s.optimizer, procs, threads, s.channels_last)
         # the strategy's own run on one process (its host work around the compute), else the plain model's
         c, why = find_compute(*args, f"{mode}@{self.strategy}", *rest)
         if c is None:
@@ -73,7 +79,7 @@ class TimePrediction(Instrument):
             if not resnet_stages(model):
                 return None, "the step model splits a pipeline at ResNet stages only (not at blocks)"
             stages = plan(model, s.world_size, cfg.split)
-            pieces = find_pieces(data, device_name(self.device), s.model, s.image_size, micro, mode, rest[2])
+            pieces = find_pieces(data, name, s.model, s.image_size, micro, mode, rest[2])
         return predict_step(s, compute, link, overlap=cuda, strategy=self.strategy,
                             microbatches=getattr(cfg, "microbatches", 1), stages=stages, pieces=pieces), None
 

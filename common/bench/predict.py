@@ -1,0 +1,118 @@
+"""benchmark.py predict --results CSV [--calibration FILE]: the step model again, on rows already measured.
+
+Each ok row's step is predicted anew by this checkout's step model (common/measure/timemodel.py) from
+a calibration (default results/calibration.json), and set beside what the row measured and what it
+predicted when it ran. Two uses: a calibration taken after the runs, and a change to the model judged
+on the same measured rows, with the machine's drift between launches held out (docs/time.md: "Each
+change on the same rows").
+
+What the row does not hold is assumed: the shipped DeepSpeed JSONs' bucket sizes (as the report's
+memory section), the loader in the training process (`--workers`, default 0 as the `time` preset), and
+a pipeline's default split. Per run: the median over its launches of step_ms_p50 and of each
+prediction; the summary counts the runs within 15% and checks the predicted order of every two runs
+whose launches' ranges do not overlap (the report's check).
+"""
+from __future__ import annotations
+
+import math
+import os
+import types
+
+from ..config import UsageError
+
+
+def add_args(p) -> None:
+    p.add_argument("--results", default=os.path.join("results", "summary.csv"), help="the rows to predict again")
+    p.add_argument("--calibration", default="", help="the step model's inputs (default results/calibration.json)")
+    p.add_argument("--workers", type=int, default=0, help="loader workers the runs had (not in the rows): 0 counts "
+                   "the loader's time per step in the prediction, as the runs did")
+
+
+def _num(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _setup(r):
+    """(the step model's Setup, its strategy) of a row, or (None, why)."""
+    from ..measure.memory import Setup
+    from ..report import _memory_setup
+
+    strategy = str(r.strategy or "")
+    if strategy.startswith("pp_"):
+        half = str(r.precision).rsplit("_", 1)[-1]
+        return Setup(model=r.model, image_size=int(r.image_size), batch_size=int(r.global_batch_size),
+                     world_size=int(r.world_size), precision=half if half in ("fp16", "bf16") else "fp32",
+                     optimizer=r.optimizer or "sgd", strategy="single"), strategy
+    setup = _memory_setup(r)
+    return (setup, setup.strategy) if setup is not None else (None, f"no step model for {strategy or r.script}")
+
+
+def repredict(r, calibration: str, workers: int) -> tuple[float | None, str]:
+    """A row's step predicted now: (ms, '') or (None, why)."""
+    import torch
+
+    from ..measure.timepred import TimePrediction
+
+    setup, strategy = _setup(r)
+    if setup is None:
+        return None, strategy
+    micro = 1 if math.isnan(_num(r.microbatches)) else int(_num(r.microbatches))
+    cfg = types.SimpleNamespace(calibration=calibration, microbatches=micro, workers=workers,
+                                batch_size=int(r.global_batch_size), split="")
+    cuda = str(r.device) == "cuda"
+    threads = 1 if cuda or math.isnan(_num(r.cpu_threads)) else int(_num(r.cpu_threads))
+    where = (r.device_name, 1 if cuda else int(r.world_size), threads)
+    loader = None if math.isnan(_num(r.loader_img_s)) else _num(r.loader_img_s)
+    pred, why = TimePrediction(cfg, setup, torch.device("cuda" if cuda else "cpu"), None, loader, strategy,
+                               where).predict()
+    return (pred.step_ms, "") if pred is not None else (None, why)
+
+
+def predict(opts) -> int:
+    from ..measure.calibration import DEFAULT
+    from ..report import _time_order, launches, load
+
+    if not os.path.isfile(opts.results):
+        raise UsageError(f"results file not found: {opts.results}")
+    calibration = opts.calibration or DEFAULT
+    if not os.path.isfile(calibration):
+        raise UsageError(f"calibration file not found: {calibration} (run benchmark.py calibrate)")
+    ok = launches(load(opts.results))
+    ok = ok[ok.step_ms_p50.notna()].copy()
+    if ok.empty:
+        raise UsageError(f"no ok rows with a measured step in {opts.results}")
+    now, why = zip(*(repredict(r, calibration, opts.workers) for _, r in ok.iterrows()))
+    ok["now_ms"] = [math.nan if x is None else x for x in now]
+    missing = sorted({f"{label}: {w}" for label, w in zip(ok.label, why) if w})
+    med = ok.groupby("label", sort=False)[["step_ms_p50", "pred_step_ms", "now_ms"]].median()
+    span = ok.groupby("label", sort=False).step_ms_p50.agg(["min", "max", "count"])
+    print(f"{opts.results}: each run's step predicted again by this checkout's step model from {calibration}; "
+          "median over the run's launches (ms):")
+    print(f"{'run':32s} {'launches':>8s} {'measured (min-max)':>24s} {'in the rows':>11s} {'err %':>6s} "
+          f"{'now':>8s} {'err %':>6s}")
+    errors = {"in the rows": [], "now": []}
+    for label, m in med.iterrows():
+        cells = []
+        for name, col in (("in the rows", "pred_step_ms"), ("now", "now_ms")):
+            err = 100 * (m[col] - m.step_ms_p50) / m.step_ms_p50
+            cells.append(f"{m[col]:>{11 if col == 'pred_step_ms' else 8}.1f} {err:>+6.1f}" if not math.isnan(err)
+                         else f"{'-':>{11 if col == 'pred_step_ms' else 8}s} {'-':>6s}")
+            if not math.isnan(err):
+                errors[name].append(abs(err))
+        measured = f"{m.step_ms_p50:.1f} ({span['min'][label]:.1f}-{span['max'][label]:.1f})"
+        print(f"{str(label)[:32]:32s} {int(span['count'][label]):>8d} {measured:>24s} {cells[0]} {cells[1]}")
+    for name, col in (("in the rows", "pred_step_ms"), ("now", "now_ms")):
+        e = sorted(errors[name])
+        if not e:
+            print(f"{name}: no prediction")
+            continue
+        mid = (e[(len(e) - 1) // 2] + e[len(e) // 2]) / 2
+        order = _time_order(ok, med.assign(pred_step_ms=med[col]))
+        print(f"{name}: median error {mid:.1f}%, {sum(x <= 15 for x in e)} of {len(e)} within 15%"
+              + (f"; {order[-1][len('Order: '):]}" if order else ""))
+    if missing:
+        print("not predicted now: " + "; ".join(missing))
+    return 0
