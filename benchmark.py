@@ -10,6 +10,8 @@
     python benchmark.py report --readme           # rewrite the report (--readme: also the README's tables) from the CSV
     python benchmark.py doctor                    # what a bug report needs, then the smoke preset, checked
     python benchmark.py advise --gpus 4 --gpu-memory-gib 24   # predicted memory per strategy, and which to use
+    python benchmark.py calibrate --preset time   # the step model's inputs on this machine (docs/time.md)
+    python benchmark.py predict --results R.csv   # measured rows predicted again by this checkout's step model
 
 The matrix lives in config/benchmark.yaml, the scripts and their launchers in common/registry.py.
 Each run gets the launcher it needs (python, torchrun, deepspeed, accelerate launch) and one
