@@ -712,6 +712,10 @@ def test_predict_again_reads_the_rows_setup_and_a_calibration(tmp_path, capsys):
     assert "now: median error" in out and "1 of the 1 pairs" in out
     with pytest.raises(UsageError, match="calibration file not found"):
         predict(types.SimpleNamespace(results=csv, calibration=str(tmp_path / "none.json"), workers=0))
+    bad = tmp_path / "bad.csv"
+    bad.write_bytes(b"\x00\xff,\n\"unterminated")
+    with pytest.raises(UsageError, match="cannot be read|no ok rows"):
+        predict(types.SimpleNamespace(results=str(bad), calibration=str(cal), workers=0))
 
 
 def test_report_scaling_puts_the_predicted_efficiency_beside_the_measured(tmp_path):

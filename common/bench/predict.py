@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import types
 
 from ..config import UsageError
@@ -71,6 +72,13 @@ def repredict(r, calibration: str, workers: int) -> tuple[float | None, str]:
     return (pred.step_ms, "") if pred is not None else (None, why)
 
 
+def _guarded(r, calibration: str, workers: int) -> tuple[float | None, str]:
+    try:
+        return repredict(r, calibration, workers)
+    except Exception as exc:  # one row the model cannot read costs that row's figure, not the table
+        return None, f"{type(exc).__name__}: {exc}"
+
+
 def predict(opts) -> int:
     from ..measure.calibration import DEFAULT
     from ..report import _time_order, launches, load
@@ -80,11 +88,11 @@ def predict(opts) -> int:
     calibration = opts.calibration or DEFAULT
     if not os.path.isfile(calibration):
         raise UsageError(f"calibration file not found: {calibration} (run benchmark.py calibrate)")
-    ok = launches(load(opts.results))
+    ok = launches(load(opts.results))  # an unreadable file: read_rows' one-line UsageError
     ok = ok[ok.step_ms_p50.notna()].copy()
     if ok.empty:
         raise UsageError(f"no ok rows with a measured step in {opts.results}")
-    now, why = zip(*(repredict(r, calibration, opts.workers) for _, r in ok.iterrows()))
+    now, why = zip(*(_guarded(r, calibration, opts.workers) for _, r in ok.iterrows()))
     ok["now_ms"] = [math.nan if x is None else x for x in now]
     missing = sorted({f"{label}: {w}" for label, w in zip(ok.label, why) if w})
     med = ok.groupby("label", sort=False)[["step_ms_p50", "pred_step_ms", "now_ms"]].median()
@@ -109,7 +117,7 @@ def predict(opts) -> int:
         if not e:
             print(f"{name}: no prediction")
             continue
-        mid = (e[(len(e) - 1) // 2] + e[len(e) // 2]) / 2
+        mid = statistics.median(e)
         order = _time_order(ok, med.assign(pred_step_ms=med[col]))
         print(f"{name}: median error {mid:.1f}%, {sum(x <= 15 for x in e)} of {len(e)} within 15%"
               + (f"; {order[-1][len('Order: '):]}" if order else ""))
