@@ -32,9 +32,9 @@ order; a collective starts when its inputs are ready and the link is free:
                          and in half precision the overflow check's (has_overflow; ZeRO-3: fp16 only)
   deepspeed_zero3        per unit an all-gather before its forward, prefetched, of the weights above
                          stage3_param_persistence_threshold elements (the rest are gathered once, after
-                         the optimizer step, _post_step); no
-                         gather in backward while the step's trace (2 x the model's elements) is within
-                         stage3_max_reuse_distance (1e9: the weights stay gathered); the gradients
+                         the optimizer step, _post_step); no gather in backward while the step's trace
+                         (2 x the model's elements) is within stage3_max_reuse_distance (1e9: the weights
+                         stay gathered); the gradients
                          reduce-scattered in reduce_bucket_size buckets; the norm's all-reduce
   dp                     (one process, n GPUs) weights broadcast and gradients reduced, not overlapped
   tp, tp_fsdp            the tp rank's share of the FLOPs, plus 4 activation all-reduces per block and
@@ -321,7 +321,8 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
             # partitioned_param_coordinator.__params_to_release: a module's weights stay gathered after its
             # forward when they are used again within stage3_max_reuse_distance elements of the trace
             # (forward then backward: at most 2 x the model's); parameter_offload.mark_persistent_parameters:
-            # weights of at most stage3_param_persistence_threshold elements are never partitioned; stage3.py
+            # weights of at most stage3_param_persistence_threshold elements stay whole through forward and
+            # backward (gathered after the step, below), not gathered per unit; stage3.py
             # reduce_independent_p_g_buckets_and_remove_grads: gradients reduce-scattered per reduce_bucket_size
             regather = 2 * numel > int(z.get("stage3_max_reuse_distance", DS_REUSE_DISTANCE))
             persist = int(z.get("stage3_param_persistence_threshold", DS_PERSISTENCE))
@@ -374,8 +375,8 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
 def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_bytes: int, regather: bool,
           persist: int = 0, bucket: int = 0) -> None:
     """FSDP2 (and ZeRO-3) per unit; the stem and head form the root unit, gathered first. ZeRO-3: weights
-    of at most `persist` elements are never partitioned (not gathered), and the gradients are
-    reduce-scattered in buckets of `bucket` bytes as they are ready, not per unit."""
+    of at most `persist` elements are not gathered per unit (the caller gathers them after the step), and
+    the gradients are reduce-scattered in buckets of `bucket` bytes as they are ready, not per unit."""
     def gathered(u) -> int:
         return sum(x for x in u.params if x > persist)
 
@@ -395,8 +396,8 @@ def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_byte
         fwd[i] = s.add("compute", c.fwd_ms * us[i].share, (*last, ag))
         last = (fwd[i],)
     if len(us) > 1:
-        last = (done.setdefault(len(us) - 1, s.add("compute", c.fwd_ms * us[-1].share + c.bwd_ms * us[-1].share,
-                                                     last)),)
+        done[len(us) - 1] = s.add("compute", c.fwd_ms * us[-1].share + c.bwd_ms * us[-1].share, last)
+        last = (done[len(us) - 1],)
     order = list(reversed(blocks))
     gathers = {}
     for k, i in enumerate(order):
