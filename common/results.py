@@ -35,7 +35,7 @@ COLUMNS = CONTRACT + [
     "run_name", "device_name", "num_devices", "train_accuracy", "timed_steps", "compile_time_s",
     "skipped_steps", "resumed", "restarts", "repeat", "scaling", "tf32", "channels_last", "grad_checkpointing",
     "compile", "loader", "grad_accum", "microbatches", "tp_size", "optimizer", "lr", "seed", "pretrained",
-    "cpu_threads",
+    "cpu_threads", "workers",
     # the input pipeline, the step-time distribution, compute efficiency, energy, time to accuracy
     "loader_img_s", "step_ms_p50", "step_ms_p90", "train_gflop_per_img", "achieved_tflops", "peak_tflops", "mfu",
     "energy_j", "img_per_j", "target_accuracy", "time_to_target_s",
@@ -55,12 +55,20 @@ COLUMNS = CONTRACT + [
     "error",
 ]
 _PRED_PARTS = [f"pred_{c}_gib" for c in ("params", "grads", "optimizer", "master", "comm")]
-HISTORY.append([c for c in COLUMNS if c not in ("notes", "tp_size") and c not in _PRED_PARTS])  # 0.3.0
-HISTORY.append([c for c in COLUMNS if c != "tp_size" and c not in _PRED_PARTS])  # a development header, notes alone
+_LATER = ("workers",)  # columns added after every header below: left out of each
 _TIME = ["step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms",
          "step_other_ms", "pred_step_ms", "pred_img_s", "pred_time_error_pct"]
-HISTORY.append([c for c in COLUMNS if c not in _TIME and c != "tp_size"])  # 0.4.0: before the time columns
-HISTORY.append([c for c in COLUMNS if c != "tp_size"])  # 0.5.0: before tensor parallelism
+
+
+def _before(*left_out) -> list[str]:
+    return [c for c in COLUMNS if c not in left_out and c not in _LATER]
+
+
+HISTORY.append(_before("notes", "tp_size", *_PRED_PARTS))  # 0.3.0
+HISTORY.append(_before("tp_size", *_PRED_PARTS))  # a development header, notes alone
+HISTORY.append(_before("tp_size", *_TIME))  # 0.4.0: before the time columns
+HISTORY.append(_before("tp_size"))  # 0.5.0: before tensor parallelism
+HISTORY.append(_before())  # 0.6.0: before `workers` (the loader processes a rank had)
 
 
 def _lock(path: str) -> FileLock:

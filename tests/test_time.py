@@ -689,15 +689,16 @@ def test_predict_again_reads_the_rows_setup_and_a_calibration(tmp_path, capsys):
                                "compute": {key("resnet18", 32, 16, "fp32", "sgd", 1, 2): plain,
                                            key("resnet18", 32, 8, "fp32@ddp", "sgd", 2, 1): own}}))
     csv = str(tmp_path / "s.csv")
-    runs = {"one": ("pytorch_SingleGPU.py", "single", 1, 2, (60.0, 62.0)),
-            "two": ("pytorch_DDP.py", "ddp", 2, 1, (120.0, 130.0))}
-    for name, (script, strategy, world, threads, steps) in runs.items():
+    runs = {"one": ("pytorch_SingleGPU.py", "single", 1, 2, (60.0, 62.0), None),
+            "two": ("pytorch_DDP.py", "ddp", 2, 1, (120.0, 130.0), None),
+            "four": ("pytorch_SingleGPU.py", "single", 1, 2, (60.0, 62.0), 4)}  # the loader in 4 workers
+    for name, (script, strategy, world, threads, steps, workers) in runs.items():
         for k, step in enumerate(steps):
             append_row(csv, {"script": script, "strategy": strategy, "status": "ok", "device": "cpu",
                              "device_name": "CPU X", "model": "resnet18", "image_size": 32, "global_batch_size": 16,
                              "dataset": "synthetic", "run_name": name, "precision": "fp32", "world_size": world,
                              "optimizer": "sgd", "grad_accum": 1, "cpu_threads": threads, "loader_img_s": 1600.0,
-                             "repeat": k + 1, "step_ms_p50": step, "pred_step_ms": 100.0})
+                             "repeat": k + 1, "step_ms_p50": step, "pred_step_ms": 100.0, "workers": workers})
     assert predict(types.SimpleNamespace(results=csv, calibration=str(cal), workers=0)) == 0
     out = capsys.readouterr().out
     one = predict_step(Setup(model="resnet18", image_size=32, batch_size=16, world_size=1, strategy="single"),
@@ -709,7 +710,9 @@ def test_predict_again_reads_the_rows_setup_and_a_calibration(tmp_path, capsys):
     err = [f"{100 * (x - 61) / 61:+.1f}" for x in (100.0, one)]
     assert line.split()[-4:] == ["100.0", err[0], f"{one:.1f}", err[1]]
     assert next(x for x in out.splitlines() if x.startswith("two ")).split()[-2] == f"{two.step_ms:.1f}"
-    assert "now: median error" in out and "1 of the 1 pairs" in out
+    # a row's own workers, not --workers: with loader workers its time per step is hidden (timepred)
+    assert next(x for x in out.splitlines() if x.startswith("four ")).split()[-2] == f"{one - 10.0:.1f}"
+    assert "now: median error" in out and "2 of the 2 pairs" in out
     with pytest.raises(UsageError, match="calibration file not found"):
         predict(types.SimpleNamespace(results=csv, calibration=str(tmp_path / "none.json"), workers=0))
     bad = tmp_path / "bad.csv"

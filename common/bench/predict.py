@@ -7,10 +7,10 @@ on the same measured rows, with the machine's drift between launches held out (d
 change on the same rows").
 
 What the row does not hold is assumed: the shipped DeepSpeed JSONs' bucket sizes (as the report's
-memory section), the loader in the training process (`--workers`, default 0 as the `time` preset), and
-a pipeline's default split. Per run: the median over its launches of step_ms_p50 and of each
-prediction; the summary counts the runs within 15% and checks the predicted order of every two runs
-whose launches' ranges do not overlap (the report's check).
+memory section), a pipeline's default split, and for rows written before the `workers` column the
+loader in the training process (`--workers`, default 0 as the `time` preset). Per run: the median over
+its launches of step_ms_p50 and of each prediction; the summary counts the runs within 15% and checks
+the predicted order of every two runs whose launches' ranges do not overlap (the report's check).
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from ..config import UsageError
 def add_args(p) -> None:
     p.add_argument("--results", default=os.path.join("results", "summary.csv"), help="the rows to predict again")
     p.add_argument("--calibration", default="", help="the step model's inputs (default results/calibration.json)")
-    p.add_argument("--workers", type=int, default=0, help="loader workers the runs had (not in the rows): 0 counts "
-                   "the loader's time per step in the prediction, as the runs did")
+    p.add_argument("--workers", type=int, default=0, help="loader workers of rows from before the `workers` column "
+                   "(a row that has it is read as it ran): 0 counts the loader's time per step in the prediction")
 
 
 def _num(value) -> float:
@@ -61,6 +61,8 @@ def repredict(r, calibration: str, workers: int) -> tuple[float | None, str]:
     if setup is None:
         return None, strategy
     micro = 1 if math.isnan(_num(r.microbatches)) else int(_num(r.microbatches))
+    if not math.isnan(_num(getattr(r, "workers", math.nan))):  # rows from before the column: --workers
+        workers = int(_num(r.workers))
     cfg = types.SimpleNamespace(calibration=calibration, microbatches=micro, workers=workers,
                                 batch_size=int(r.global_batch_size), split="")
     cuda = str(r.device) == "cuda"
