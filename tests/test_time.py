@@ -625,8 +625,11 @@ def test_report_shows_components_and_prediction(tmp_path):
     from common.results import append_row
 
     csv = str(tmp_path / "s.csv")
-    for name, pred in (("a", 110.0), ("b", None)):
-        for step in (100.0, 104.0, 98.0):
+    # e: each launch predicted its own step (its loader rate): errors 0, +18.2, 0 per launch, +9.1 of the medians
+    for name, launches in (("a", [(s, 110.0) for s in (100.0, 104.0, 98.0)]),
+                           ("b", [(s, None) for s in (100.0, 104.0, 98.0)]),
+                           ("e", [(100.0, 100.0), (110.0, 130.0), (120.0, 120.0)])):
+        for step, pred in launches:
             append_row(csv, {"script": "pytorch_DDP.py", "status": "ok", "device_name": "CPU X", "model": "resnet18",
                              "image_size": 32, "global_batch_size": 32, "dataset": "synthetic", "run_name": name,
                              "precision": "fp32", "world_size": 2, "throughput_img_s": 320.0,
@@ -637,7 +640,8 @@ def test_report_shows_components_and_prediction(tmp_path):
     text = open(write_report(csv, str(tmp_path / "R.md"))).read()
     assert "Where a step's time went" in text
     assert "| a | 3 | 5.0 | 70.0 | 15.0 | 9.0 | 1.0 | 100.0 | 100.0 | 110.0 | 10.0 |" in text
-    assert "median 10.0%" in text  # a's three errors: 10, 5.8, 12.2 -> median 10
+    assert "| e | 3 |" in text and text.split("| e | 3 |")[1].split("\n")[0].endswith("| 120.0 | 9.1 |")
+    assert "median 9.5%" in text  # a: 110 against the median step 100 (+10.0), e: +9.1
     assert (tmp_path / "charts").is_dir() and any(p.name.endswith("step_components.png")
                                                    for p in (tmp_path / "charts").iterdir())
 
