@@ -14,6 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 from .config import PROJECT_ROOT  # noqa: E402
 from .measure.stats import NOISY_IQR, median, summarize  # noqa: E402
@@ -25,7 +27,8 @@ NUMERIC = ["world_size", "image_size", "global_batch_size", "epochs", "steps", "
            "model_state_gib", "pred_model_state_gib", "pred_activation_gib", "pred_peak_gib", "pred_error_pct",
            "comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step", "busbw_gbps", "comm_overlap_pct",
            "step_ms_p50", "step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms",
-           "step_optimizer_ms", "step_other_ms", "pred_step_ms", "pred_img_s", "pred_time_error_pct"]
+           "step_optimizer_ms", "step_other_ms", "pred_step_ms", "pred_img_s", "pred_time_error_pct",
+           "pred_data_ms", "pred_compute_ms", "pred_comm_exposed_ms", "pred_optimizer_ms"]
 SECTION = ["device_name", "model", "image_size", "dataset", "global_batch_size"]
 
 
@@ -295,16 +298,18 @@ def _memory(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
 
 
 TIME_PARTS = ("data", "compute", "comm_exposed", "optimizer", "other")
+PRED_PARTS = TIME_PARTS[:-1]  # the step model's (pred_*_ms): no `other`
 
 
 def _time(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     """Where each run's step went (measured components, docs/time.md) and the step model's prediction:
-    the median over the run's launches of each, stacked bars with the predicted step marked."""
+    the median over the run's launches of each; stacked bars, measured beside predicted by component
+    (rows from before the predicted components: the predicted step marked)."""
     ok = rows[(rows.status == "ok") & rows.step_ms_mean.notna()]
     if ok.empty:
         return []
     cols = [f"step_{p}_ms" for p in TIME_PARTS] + ["step_ms_p50", "step_ms_mean", "pred_step_ms", "pred_time_error_pct"]
-    med = ok.groupby("label", sort=False)[cols].median()
+    med = ok.groupby("label", sort=False)[cols + [f"pred_{p}_ms" for p in PRED_PARTS]].median()
     # the issue's bar and `benchmark.py predict`: the median prediction against the median step, not the
     # median of each launch's own error (each launch predicts with its own loader rate)
     med["pred_time_error_pct"] = 100 * (med.pred_step_ms - med.step_ms_p50) / med.step_ms_p50
@@ -315,32 +320,71 @@ def _time(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     lines = ["Where a step's time went (ms per optimizer step, median over launches) and the step model's prediction "
              "(docs/time.md; error against the median step):", ""]
     lines += _table(["run", "launches", *TIME_PARTS, "step mean", "step p50", "predicted", "pred error %"], table)
+    parts = med[[f"pred_{p}_ms" for p in PRED_PARTS]].notna().all(axis=1)
+    if parts.any():
+        # the median of each component over the launches: they need not add up to the median step
+        lines += ["", "By component, measured / predicted (ms; the model has no `other`, the loop's bookkeeping):", ""]
+        lines += _table(["run", *PRED_PARTS, "other", "sum"],
+                        [[label, *(f"{_fmt(r[f'step_{p}_ms'], 1)} / {_fmt(r[f'pred_{p}_ms'], 1)}" for p in PRED_PARTS),
+                          _fmt(r.step_other_ms, 1),
+                          f"{_fmt(sum(r[f'step_{p}_ms'] for p in TIME_PARTS), 1)} / "
+                          f"{_fmt(sum(r[f'pred_{p}_ms'] for p in PRED_PARTS), 1)}"]
+                         for label, r in med[parts].iterrows()])
     errors = med.pred_time_error_pct.dropna().abs()
     if len(errors):
         lines += ["", f"Prediction error over {len(errors)} runs: median {errors.median():.1f}%, "
                       f"largest {errors.max():.1f}% ({errors.idxmax()}); {int((errors <= 15).sum())} of "
                       f"{len(errors)} within 15%."]
     lines += _time_order(ok, med)
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(med) + 1.6))
-    left = [0.0] * len(med)
-    for p in TIME_PARTS:
-        values = [0.0 if math.isnan(v) else v for v in med[f"step_{p}_ms"]]
-        ax.barh(list(med.index), values, left=left, label=p)
-        left = [a + v for a, v in zip(left, values)]
-    pred = [(i, v) for i, v in enumerate(med.pred_step_ms) if not math.isnan(v)]
-    if pred:
-        ax.scatter([v for _, v in pred], [i for i, _ in pred], marker="|", s=300, color="black", zorder=3,
-                   label="predicted step")
+    path = _time_chart(med, parts, out_dir, slug)
+    return lines + ["", f"![{os.path.basename(path)}](charts/{os.path.basename(path)})"]
+
+
+def _time_chart(med: pd.DataFrame, parts: pd.Series, out_dir: str, slug: str) -> str:
+    """Per run a bar of the measured components and, where the rows hold them, one of the predicted
+    components below it (hatched, the same colours); a run with only a predicted total gets a tick."""
+    pairs = bool(parts.any())
+    fig, ax = plt.subplots(figsize=(8, (0.7 if pairs else 0.45) * len(med) + 1.6))
+    colors = dict(zip(TIME_PARTS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    height, shift = (0.38, 0.2) if pairs else (0.8, 0.0)
+    ends = []
+    for i, (label, r) in enumerate(med.iterrows()):
+        left = 0.0
+        for p in TIME_PARTS:
+            v = 0.0 if math.isnan(r[f"step_{p}_ms"]) else r[f"step_{p}_ms"]
+            ax.barh(i - shift, v, left=left, height=height, color=colors[p])
+            left += v
+        ends.append(left)
+        if parts[label]:
+            left = 0.0
+            for p in PRED_PARTS:
+                v = r[f"pred_{p}_ms"]
+                ax.barh(i + shift, v, left=left, height=height, color=colors[p], alpha=0.45, hatch="//",
+                        edgecolor="black", linewidth=0.3)
+                left += v
+            ends.append(left)
+        elif not math.isnan(r.pred_step_ms):
+            ax.scatter([r.pred_step_ms], [i], marker="|", s=300, color="black", zorder=3)
+            ends.append(r.pred_step_ms)
+    handles = [Patch(color=colors[p], label=p) for p in TIME_PARTS]
+    if pairs:
+        handles.append(Patch(facecolor="white", hatch="//", edgecolor="black", linewidth=0.3, label="predicted"))
+    ticks = not parts.all() and med.pred_step_ms.notna().any()
+    if ticks:
+        handles.append(Line2D([], [], marker="|", markersize=14, linestyle="", color="black", label="predicted step"))
+    ax.set_yticks(range(len(med)))
+    ax.set_yticklabels(list(med.index))
     ax.invert_yaxis()
-    ax.set_xlim(0, max(left + [v for _, v in pred]) * 1.08)
+    ax.set_xlim(0, max(ends) * 1.08)
     ax.set_xlabel("ms per optimizer step")
-    ax.set_title("Measured step by component (bars), predicted step (|)", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.set_title("Measured step by component" + (", predicted below it (hatched)" if pairs else "")
+                 + (", predicted step (|)" if ticks else ""), fontsize=10)
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     path = os.path.join(out_dir, f"{slug}_step_components.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return lines + ["", f"![{os.path.basename(path)}](charts/{os.path.basename(path)})"]
+    return path
 
 
 def _time_order(ok: pd.DataFrame, med: pd.DataFrame) -> list[str]:

@@ -48,6 +48,7 @@ COLUMNS = CONTRACT + [
     # where a step's time went (common/measure/stepparts.py) and the step model's prediction
     "step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms", "step_other_ms",
     "pred_step_ms", "pred_img_s", "pred_time_error_pct",
+    "pred_data_ms", "pred_compute_ms", "pred_comm_exposed_ms", "pred_optimizer_ms",
     # software fingerprint
     "cuda_version", "cudnn_version", "nccl_version", "driver_version", "deepspeed_version", "accelerate_version",
     # why a column that should hold a figure is empty (an instrument that had nothing to measure)
@@ -55,7 +56,9 @@ COLUMNS = CONTRACT + [
     "error",
 ]
 _PRED_PARTS = [f"pred_{c}_gib" for c in ("params", "grads", "optimizer", "master", "comm")]
-_LATER = ("workers",)  # columns added after every header below: left out of each
+# the step model's prediction by component, beside the measured step_*_ms (they add up to pred_step_ms)
+PRED_TIME_PARTS = ["pred_data_ms", "pred_compute_ms", "pred_comm_exposed_ms", "pred_optimizer_ms"]
+_LATER = ("workers", *PRED_TIME_PARTS)  # columns added after every header below: left out of each
 _TIME = ["step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms",
          "step_other_ms", "pred_step_ms", "pred_img_s", "pred_time_error_pct"]
 
@@ -69,6 +72,7 @@ HISTORY.append(_before("tp_size", *_PRED_PARTS))  # a development header, notes 
 HISTORY.append(_before("tp_size", *_TIME))  # 0.4.0: before the time columns
 HISTORY.append(_before("tp_size"))  # 0.5.0: before tensor parallelism
 HISTORY.append(_before())  # 0.6.0: before `workers` (the loader processes a rank had)
+HISTORY.append([c for c in COLUMNS if c not in PRED_TIME_PARTS])  # a development header: workers, no predicted parts
 
 
 def _lock(path: str) -> FileLock:

@@ -58,11 +58,14 @@ def check_time(row):
         assert float(row["step_ms_mean"]) == pytest.approx(want, rel=0.05)
     # (several ranks: step_ms_mean is their mean, throughput rank 0's window; these runs' 3 timed steps hold
     # the communication profiler's trace processing, which takes each rank its own time)
+    predicted = [row[f"pred_{p}_ms"] for p in ("data", "compute", "comm_exposed", "optimizer")]
     if row["pred_step_ms"]:  # a results/calibration.json of this machine covers the run
         assert float(row["pred_img_s"]) == pytest.approx(int(row["global_batch_size"]) / float(row["pred_step_ms"])
                                                           * 1e3, rel=1e-3)
+        assert sum(map(float, predicted)) == pytest.approx(float(row["pred_step_ms"]), abs=0.01)
     else:
         assert "pred_step_ms: " in row["notes"], row["notes"]
+        assert predicted == [""] * 4
 
 
 def load_bare(final, model="resnet18", image_size=None):

@@ -620,6 +620,37 @@ def test_a_strategys_own_calibration_comes_first(tmp_path, monkeypatch):
     assert predicted("ddp_zero").compute_ms == 30.0  # nothing calibrated for it: the plain model's
 
 
+def test_a_rows_predicted_components_add_up_to_its_predicted_step(tmp_path, monkeypatch):
+    """pred_data_ms, pred_compute_ms, pred_comm_exposed_ms and pred_optimizer_ms: the model's own parts
+    of the step it predicts, beside the measured step_*_ms, and empty with it where nothing is calibrated.
+    DDP at 2 ranks of 16 images: forward 10 + backward 20, resnet18's 44.7 MB of buckets all-reduced at
+    1 GB/s (exposed on a CPU), the optimizer 5, the global batch of 32 at 3,200 img/s (10 ms)."""
+    import json
+
+    from common.measure.fingerprint import device_name
+    from common.measure.timepred import TimePrediction
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    t = torch.get_num_threads()
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"device_name": device_name(torch.device("cpu")),
+                               "links": {"2": {"all_reduce": {"latency_us": 1000.0, "busbw_gbps": 1.0}}},
+                               "compute": {key("resnet18", 32, 16, "fp32", "sgd", 2, t):
+                                           {"fwd_ms": 10.0, "bwd_ms": 20.0, "opt_ms": 5.0}}}))
+    setup = Setup(model="resnet18", image_size=32, batch_size=32, world_size=2, strategy="ddp")
+    inst = TimePrediction(TrainConfig(calibration=str(cal), workers=0, batch_size=32), setup, torch.device("cpu"),
+                          None, 3200.0, "ddp")
+    pred, _ = inst.predict()
+    row = inst.row()
+    parts = [row[f"pred_{p}_ms"] for p in ("data", "compute", "comm_exposed", "optimizer")]
+    assert parts[:2] == [10.0, 30.0] and parts[3] == 5.0 and parts[2] == pytest.approx(pred.comm_exposed_ms, abs=1e-3)
+    assert parts[2] > 40 and sum(parts) == pytest.approx(row["pred_step_ms"], abs=0.002)
+    missing = TimePrediction(TrainConfig(calibration=str(tmp_path / "none.json")), setup, torch.device("cpu"), None,
+                             None, "ddp").row()
+    assert all(missing[f"pred_{p}_ms"] is None for p in ("data", "compute", "comm_exposed", "optimizer"))
+    assert "pred_step_ms" in missing["notes"]
+
+
 def test_report_shows_components_and_prediction(tmp_path):
     from common.report import write_report
     from common.results import append_row
@@ -636,10 +667,16 @@ def test_report_shows_components_and_prediction(tmp_path):
                              "step_ms_p50": step, "step_ms_mean": step, "step_data_ms": 5.0,
                              "step_compute_ms": step - 30, "step_comm_exposed_ms": 15.0, "step_optimizer_ms": 9.0,
                              "step_other_ms": 1.0, "pred_step_ms": pred,
-                             "pred_time_error_pct": None if pred is None else 100 * (pred - step) / step})
+                             "pred_time_error_pct": None if pred is None else 100 * (pred - step) / step,
+                             # a's prediction by component (e's rows are from before them: its total only)
+                             **({"pred_data_ms": 4.0, "pred_compute_ms": 80.0, "pred_comm_exposed_ms": 20.0,
+                                 "pred_optimizer_ms": 6.0} if name == "a" else {})})
     text = open(write_report(csv, str(tmp_path / "R.md"))).read()
     assert "Where a step's time went" in text
     assert "| a | 3 | 5.0 | 70.0 | 15.0 | 9.0 | 1.0 | 100.0 | 100.0 | 110.0 | 10.0 |" in text
+    # measured / predicted per component, only for the run whose rows hold the predicted ones
+    assert "| a | 5.0 / 4.0 | 70.0 / 80.0 | 15.0 / 20.0 | 9.0 / 6.0 | 1.0 | 100.0 / 110.0 |" in text
+    assert "| e | 5.0 /" not in text and "| b | 5.0 /" not in text
     assert "| e | 3 |" in text and text.split("| e | 3 |")[1].split("\n")[0].endswith("| 120.0 | 9.1 |")
     assert "median 9.5%" in text  # a: 110 against the median step 100 (+10.0), e: +9.1
     assert (tmp_path / "charts").is_dir() and any(p.name.endswith("step_components.png")
@@ -703,7 +740,7 @@ def test_predict_again_reads_the_rows_setup_and_a_calibration(tmp_path, capsys):
                              "dataset": "synthetic", "run_name": name, "precision": "fp32", "world_size": world,
                              "optimizer": "sgd", "grad_accum": 1, "cpu_threads": threads, "loader_img_s": 1600.0,
                              "repeat": k + 1, "step_ms_p50": step, "pred_step_ms": 100.0, "workers": workers})
-    assert predict(types.SimpleNamespace(results=csv, calibration=str(cal), workers=0)) == 0
+    assert predict(types.SimpleNamespace(results=csv, calibration=str(cal), workers=0, parts=False)) == 0
     out = capsys.readouterr().out
     one = predict_step(Setup(model="resnet18", image_size=32, batch_size=16, world_size=1, strategy="single"),
                        Compute(10.0, 20.0, 5.0, 10.0), Link(), overlap=False).step_ms
@@ -716,7 +753,13 @@ def test_predict_again_reads_the_rows_setup_and_a_calibration(tmp_path, capsys):
     assert next(x for x in out.splitlines() if x.startswith("two ")).split()[-2] == f"{two.step_ms:.1f}"
     # a row's own workers, not --workers: with loader workers its time per step is hidden (timepred)
     assert next(x for x in out.splitlines() if x.startswith("four ")).split()[-2] == f"{one - 10.0:.1f}"
-    assert "now: median error" in out and "2 of the 2 pairs" in out
+    assert "now: median error" in out and "2 of the 2 pairs" in out and "by component" not in out
+    # --parts: each component, measured (the rows hold none here) / predicted now
+    assert predict(types.SimpleNamespace(results=csv, calibration=str(cal), workers=0, parts=True)) == 0
+    parts = capsys.readouterr().out.split("by component")[1]
+    got = next(x for x in parts.splitlines() if x.startswith("two ")).split()[1:]
+    assert got == [f"nan/{v:.1f}" for v in (two.data_ms, two.compute_ms, two.comm_exposed_ms, two.optimizer_ms)]
+    assert two.compute_ms == 60.0 and two.data_ms == 10.0
     with pytest.raises(UsageError, match="calibration file not found"):
         predict(types.SimpleNamespace(results=csv, calibration=str(tmp_path / "none.json"), workers=0))
     bad = tmp_path / "bad.csv"
@@ -855,6 +898,10 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
     (row,) = rows(tmp_path / "summary.csv")
     pred, measured = float(row["pred_step_ms"]), float(row["step_ms_p50"])
     assert pred > 0 and float(row["pred_time_error_pct"]) == pytest.approx(100 * (pred - measured) / measured, abs=0.05)
+    # its components beside the measured ones: one process has no communication, and they add up
+    parts = {p: float(row[f"pred_{p}_ms"]) for p in ("data", "compute", "comm_exposed", "optimizer")}
+    assert parts["compute"] > 0 and parts["optimizer"] > 0 and parts["comm_exposed"] == 0
+    assert sum(parts.values()) == pytest.approx(pred, abs=0.01)
 
 
 class GpuEvent:

@@ -1,4 +1,4 @@
-"""benchmark.py predict --results CSV [--calibration FILE]: the step model again, on rows already measured.
+"""benchmark.py predict --results CSV [--calibration FILE] [--parts]: the step model again, on rows already measured.
 
 Each ok row's step is predicted anew by this checkout's step model (common/measure/timemodel.py) from
 a calibration (default results/calibration.json), and set beside what the row measured and what it
@@ -11,6 +11,7 @@ memory section), a pipeline's default split, and for rows written before the `wo
 loader in the training process (`--workers`, default 0 as the `time` preset). Per run: the median over
 its launches of step_ms_p50 and of each prediction; the summary counts the runs within 15% and checks
 the predicted order of every two runs whose launches' ranges do not overlap (the report's check).
+--parts adds each run's components, measured against predicted now.
 """
 from __future__ import annotations
 
@@ -21,10 +22,14 @@ import types
 
 from ..config import UsageError
 
+PARTS = ("data", "compute", "comm_exposed", "optimizer")  # StepPrediction.parts(), the rows' step_*_ms
+
 
 def add_args(p) -> None:
     p.add_argument("--results", default=os.path.join("results", "summary.csv"), help="the rows to predict again")
     p.add_argument("--calibration", default="", help="the step model's inputs (default results/calibration.json)")
+    p.add_argument("--parts", action="store_true", help="also each run's components, measured against predicted now "
+                   "(data, compute, exposed communication, optimizer; ms, medians over the launches)")
     p.add_argument("--workers", type=int, default=0, help="loader workers of rows from before the `workers` column "
                    "(a row that has it is read as it ran): 0 counts the loader's time per step in the prediction")
 
@@ -51,8 +56,8 @@ def _setup(r):
     return (setup, setup.strategy) if setup is not None else (None, f"no step model for {strategy or r.script}")
 
 
-def repredict(r, calibration: str, workers: int) -> tuple[float | None, str]:
-    """A row's step predicted now: (ms, '') or (None, why)."""
+def repredict(r, calibration: str, workers: int):
+    """A row's step predicted now: (StepPrediction, '') or (None, why)."""
     import torch
 
     from ..measure.timepred import TimePrediction
@@ -71,10 +76,10 @@ def repredict(r, calibration: str, workers: int) -> tuple[float | None, str]:
     loader = None if math.isnan(_num(r.loader_img_s)) else _num(r.loader_img_s)
     pred, why = TimePrediction(cfg, setup, torch.device("cuda" if cuda else "cpu"), None, loader, strategy,
                                where).predict()
-    return (pred.step_ms, "") if pred is not None else (None, why)
+    return (pred, "") if pred is not None else (None, why)
 
 
-def _guarded(r, calibration: str, workers: int) -> tuple[float | None, str]:
+def _guarded(r, calibration: str, workers: int):
     try:
         return repredict(r, calibration, workers)
     except Exception as exc:  # one row the model cannot read costs that row's figure, not the table
@@ -95,7 +100,9 @@ def predict(opts) -> int:
     if ok.empty:
         raise UsageError(f"no ok rows with a measured step in {opts.results}")
     now, why = zip(*(_guarded(r, calibration, opts.workers) for _, r in ok.iterrows()))
-    ok["now_ms"] = [math.nan if x is None else x for x in now]
+    ok["now_ms"] = [math.nan if x is None else x.step_ms for x in now]
+    for part in PARTS:
+        ok[f"now_{part}_ms"] = [math.nan if x is None else x.parts()[part] for x in now]
     missing = sorted({f"{label}: {w}" for label, w in zip(ok.label, why) if w})
     med = ok.groupby("label", sort=False)[["step_ms_p50", "pred_step_ms", "now_ms"]].median()
     span = ok.groupby("label", sort=False).step_ms_p50.agg(["min", "max", "count"])
@@ -123,6 +130,21 @@ def predict(opts) -> int:
         order = _time_order(ok, med.assign(pred_step_ms=med[col]))
         print(f"{name}: median error {mid:.1f}%, {sum(x <= 15 for x in e)} of {len(e)} within 15%"
               + (f"; {order[-1][len('Order: '):]}" if order else ""))
+    if getattr(opts, "parts", False):
+        _print_parts(ok)
     if missing:
         print("not predicted now: " + "; ".join(missing))
     return 0
+
+
+def _print_parts(ok) -> None:
+    """Per run, each component measured / predicted now (medians over the launches): which part of the
+    step the model gets wrong, not only by how much."""
+    cols = [f"step_{p}_ms" for p in PARTS] + [f"now_{p}_ms" for p in PARTS]
+    med = ok.assign(**{c: ok[c].map(_num) for c in cols}).groupby("label", sort=False)[cols].median()
+    print("by component, measured / predicted now (ms; the measured `other`, the loop's bookkeeping, has no "
+          "counterpart):")
+    print(f"{'run':32s} " + " ".join(f"{p:>15s}" for p in PARTS))
+    for label, m in med.iterrows():
+        print(f"{str(label)[:32]:32s} " + " ".join(f"{m[f'step_{p}_ms']:>7.1f}/{m[f'now_{p}_ms']:<7.1f}"
+                                                   for p in PARTS))

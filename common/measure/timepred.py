@@ -9,8 +9,10 @@ this strategy's script run on one process where calibrate ran it, else of the si
 the collectives' latency and bus bandwidth at the run's world size. The input pipeline's time per
 step comes from this run's loader_img_s (measured before training) when the loader runs in the
 training process (--workers 0); with workers it is taken as hidden. Nothing of the timed window
-enters the prediction. pred_time_error_pct = (pred_step_ms - step_ms_p50) / step_ms_p50 x 100: the
-median step, which a pause or a slow first step does not move. Without a calibration for the run the
+enters the prediction. Its components, pred_data_ms, pred_compute_ms, pred_comm_exposed_ms and
+pred_optimizer_ms, add up to pred_step_ms and stand beside the measured step_*_ms (the model has no
+`other`). pred_time_error_pct = (pred_step_ms - step_ms_p50) / step_ms_p50 x 100: the median step,
+which a pause or a slow first step does not move. Without a calibration for the run the
 columns stay empty and the notes say what is missing.
 """
 from __future__ import annotations
@@ -23,6 +25,10 @@ from ..distributed import world_size
 from . import Instrument
 from .calibration import DEFAULT, compute_mode, find_compute, find_link, find_pieces, load
 from .timemodel import Compute, Link, predict_step
+
+# StepPrediction.parts() -> the row's columns (common/results.py PRED_TIME_PARTS)
+PARTS = {"data": "pred_data_ms", "compute": "pred_compute_ms", "comm_exposed": "pred_comm_exposed_ms",
+         "optimizer": "pred_optimizer_ms"}
 
 
 class TimePrediction(Instrument):
@@ -84,7 +90,7 @@ class TimePrediction(Instrument):
                             microbatches=getattr(cfg, "microbatches", 1), stages=stages, pieces=pieces), None
 
     def row(self) -> dict:
-        out = dict.fromkeys(("pred_step_ms", "pred_img_s", "pred_time_error_pct"))
+        out = dict.fromkeys(("pred_step_ms", "pred_img_s", "pred_time_error_pct", *PARTS.values()))
         # a collective: every rank calls it, whatever the prediction does
         measured = self.steptimes.row().get("step_ms_p50") if self.steptimes is not None else None
         try:
@@ -95,6 +101,8 @@ class TimePrediction(Instrument):
             out["notes"] = f"pred_step_ms: {why}"
             return out
         out["pred_step_ms"] = round(pred.step_ms, 3)
+        # the components beside the measured step_*_ms (the model has no `other`: the loop's bookkeeping)
+        out.update({col: round(pred.parts()[part], 3) for part, col in PARTS.items()})
         out["pred_img_s"] = round(self.cfg.batch_size / pred.step_ms * 1e3, 2) if pred.step_ms else None
         if measured:
             out["pred_time_error_pct"] = round(100 * (pred.step_ms - measured) / measured, 2)
