@@ -19,6 +19,7 @@ progress lines (every `log_every` steps) and epoch ends.
 """
 from __future__ import annotations
 
+import gc
 import math
 import sys
 import time
@@ -122,7 +123,8 @@ class TimedWindow:
     needs steps of its own (`outside_window`, the communication profiler) runs them first, and the
     window opens after them (after the profiler's stop and trace processing too); each process of a
     resumed run profiles its own first steps the same way. Only when the steps left are no more than
-    the profiler needs is it run inside the window (there is nothing else to time). `prelude()` arms
+    the profiler needs is it run inside the window (there is nothing else to time). The garbage the
+    set-up left is collected before the window opens. `prelude()` arms
     an instrument before the last warm-up step (the model-state walk runs in that step)."""
 
     def __init__(self, opens_at: int, device: torch.device, instruments: list[Instrument], time_s: float = 0.0,
@@ -158,6 +160,9 @@ class TimedWindow:
             return
         self.instruments += self.before  # too few steps left to keep them out: inside the window
         self.before = []
+        # a full collection the set-up (or the profiler's trace processing) left pending is not a step's:
+        # 155 ms for a DDP+ZeRO rank's 345,000 tracked objects (the collections the steps cause stay in)
+        gc.collect()
         synchronize(self.device)
         self.t0, self.running = time.perf_counter(), True
         # the step components first: the window's time from t0 on is theirs to tile
@@ -182,6 +187,7 @@ class TimedWindow:
                 i.step()
             if all(i.done >= i.outside_window for i in self.profiling):
                 self._finish_profiling()
+                gc.collect()  # the trace's objects, before the ranks meet (_open's collection is then short)
                 # ranks end their trace processing at different times: without this the first timed
                 # step would hold the wait for the slowest (idle time a pipeline's bubble would count)
                 barrier()

@@ -161,7 +161,9 @@ def test_gpu_loader_draws_augmentation_per_rank():
 def test_loader_rate_over_ranks(monkeypatch, per_rank, op, want):
     """Data parallel: each of 2 ranks reads 8 of the global 16, and the pipeline's rate is their sum.
     A pipeline's stages each read all 16 (pytorch_PP.py): the rate is the slowest rank's, not 2x. The ranks
-    start together (a barrier): one that probed while another built its model measured a sixth of the rate."""
+    start together (a barrier): one that probed while another built its model measured a sixth of the rate;
+    and with no garbage left to collect: a full collection of the set-up's objects (155 ms in a DDP+ZeRO
+    rank) fell in its probe of 10 batches at every launch."""
     from types import SimpleNamespace
 
     import common.measure.loader as loader_mod
@@ -176,6 +178,7 @@ def test_loader_rate_over_ranks(monkeypatch, per_rank, op, want):
     monkeypatch.setattr(loader_mod, "world_size", lambda: 2)
     monkeypatch.setattr(loader_mod, "reduce_metrics", fake_reduce)
     monkeypatch.setattr(loader_mod, "barrier", lambda: calls.append("barrier"))  # the ranks start together
+    monkeypatch.setattr(loader_mod.gc, "collect", lambda: calls.append("gc"))
     clock = iter(range(100))
     monkeypatch.setattr(loader_mod.time, "perf_counter", lambda: next(clock) * per_rank / 100.0)
     batches = [(torch.zeros(per_rank, 3, 2, 2), torch.zeros(per_rank)) for _ in range(4)]
@@ -184,4 +187,4 @@ def test_loader_rate_over_ranks(monkeypatch, per_rank, op, want):
     monkeypatch.setattr("common.checkpoint.rng_state", lambda loader: None)
     monkeypatch.setattr("common.checkpoint.set_rng_state", lambda state, loader: None)
     rate = loader_mod.probe_loader(batches, cfg, hooks)
-    assert calls == ["barrier", op] and rate == pytest.approx(want)
+    assert calls == ["gc", "barrier", op] and rate == pytest.approx(want)
