@@ -413,9 +413,9 @@ def test_deepspeed_zero2_all_reduces_its_gradient_buckets():
 def test_pipeline_prediction_has_the_bubble():
     """GPipe and 1F1B simulated op by op: with equal stages (m + s - 1) slots of one stage's forward and
     backward (s=2, m=4: 5 slots); with unequal ones (the last stage the slowest) the fill and drain take
-    the faster stage's time, t0 + m x t1, less than (m + s - 1) x t1. Rank 0 computes its own stage only
-    and waits the rest."""
-    from common.measure.timemodel import _pipeline_order, _simulate_pipeline
+    the faster stage's time, t0 + m x t1, less than (m + s - 1) x t1. Each rank computes its own stage only
+    and waits the rest: compute and optimizer are the mean over ranks, as the rows' columns."""
+    from common.measure.timemodel import _pipeline_order, _simulate_pipeline, _stage_split
 
     for schedule in ("pp_gpipe", "pp_1f1b"):
         length, busy = _simulate_pipeline(schedule, [20.0, 20.0], [40.0, 40.0], [0.0], 4, overlap=True)
@@ -433,8 +433,11 @@ def test_pipeline_prediction_has_the_bubble():
     first = sum(s for u, s in zip(units("resnet18", 32), shares) if u.name == "stem" or u.name[:6] in ("layer1",
                                                                                                      "layer2"))
     t = sorted([first * 60.0, (1 - first) * 60.0])
-    assert p.compute_ms == pytest.approx(4 * first * 60.0)
-    assert p.compute_ms + p.comm_exposed_ms == pytest.approx(sum(t) + 3 * t[1], rel=1e-3)
+    assert p.compute_ms == pytest.approx(4 * 60.0 / 2)  # (4 x first x 60 + 4 x (1 - first) x 60) / 2 ranks
+    assert p.optimizer_ms == pytest.approx(C.opt_ms / 2)  # the two stages' optimizers, whatever their split
+    # the step is the same whoever's parts: fill, drain and rank 0's optimizer (the larger stage's hides)
+    params = _stage_split(units("resnet18", 32), [2, 2], setup("single"))[1]
+    assert p.step_ms == pytest.approx(sum(t) + 3 * t[1] + C.opt_ms * params[0] / sum(params), rel=1e-3)
 
 
 def test_pipeline_stages_take_the_measured_pieces_shares(tmp_path, monkeypatch):
@@ -448,13 +451,14 @@ def test_pipeline_stages_take_the_measured_pieces_shares(tmp_path, monkeypatch):
     from common.measure.timepred import TimePrediction
 
     pieces = [(1.0, 2.0), (1.0, 2.0), (1.0, 2.0), (7.0, 14.0)]  # layer4 + head: 70% of forward and backward
-    flops = predict_step(setup("single"), C, FAST, overlap=True, strategy="pp_gpipe", microbatches=4, stages=[2, 2])
-    got = predict_step(setup("single"), C, FAST, overlap=True, strategy="pp_gpipe", microbatches=4, stages=[2, 2],
+    c = dataclasses.replace(C, opt_ms=0.0)  # the schedule alone
+    flops = predict_step(setup("single"), c, FAST, overlap=True, strategy="pp_gpipe", microbatches=4, stages=[2, 2])
+    got = predict_step(setup("single"), c, FAST, overlap=True, strategy="pp_gpipe", microbatches=4, stages=[2, 2],
                        pieces=pieces)
-    length = lambda p: p.compute_ms + p.comm_exposed_ms  # noqa: E731
+    length = lambda p: p.step_ms  # noqa: E731
     # stage 0: 20% of 60 ms a micro-batch, stage 1: 80%; the schedule: 12 + 4 x 48 ms
     assert length(got) == pytest.approx(12 + 4 * 48.0, rel=1e-3) and length(flops) < 0.6 * 60 + 4 * 0.6 * 60
-    got = predict_step(setup("single"), C, FAST, overlap=True, strategy="pp_gpipe", microbatches=4, stages=[3, 1],
+    got = predict_step(setup("single"), c, FAST, overlap=True, strategy="pp_gpipe", microbatches=4, stages=[3, 1],
                        pieces=pieces)
     assert length(got) == pytest.approx(18 + 4 * 42.0, rel=1e-3)
 

@@ -458,8 +458,8 @@ def _pipeline(p: StepPrediction, us, c: Compute, link: Link, overlap: bool, n: i
     """c is the compute of ONE micro-batch through the whole model; stages: ResNet stages per piece.
     GPipe and 1F1B (one stage per rank) are simulated op by op in the order their _step_microbatches
     runs them; interleaved 1F1B (two stages per rank) is not: (m + n - 1) slots of the slowest piece.
-    compute_ms is one rank's own work (rank 0's stage); the rest of the step it waits, which the
-    measured columns count as exposed communication (a receive's wait)."""
+    compute_ms and optimizer_ms are a rank's own work, the mean over ranks as the rows' columns are; the
+    rest of the step it waits, which the measured columns count as exposed communication (a receive's wait)."""
     shares, params, cut_bytes = _stage_split(us, stages or [4], setup)
     fwd, bwd = shares, shares
     if pieces:
@@ -479,9 +479,10 @@ def _pipeline(p: StepPrediction, us, c: Compute, link: Link, overlap: bool, n: i
         # waits for that and for its input: the largest stage's step hides partly behind the others' work
         opt = [c.opt_ms * x / max(1, sum(params)) for x in params]
         period, busy = _simulate_pipeline(schedule, f, b, sends, m, overlap, opt)
-        p.compute_ms = busy  # rank 0's own forward and backward; the rest of the step, past its optimizer, it waits
-        p.optimizer_ms = opt[0]
-        p.comm_exposed_ms = max(0.0, period - busy - opt[0])
+        # as the rows' columns, the mean over ranks: each rank's own forward, backward and optimizer, the rest
+        # of its step waiting (a receive's wait, which the rows count as exposed communication)
+        p.compute_ms, p.optimizer_ms = busy, sum(opt) / len(opt)
+        p.comm_exposed_ms = max(0.0, period - busy - p.optimizer_ms)
         return p
     slowest = max(range(len(f)), key=lambda i: f[i] + b[i])
     p.compute_ms = (m + len(f) - 1) * (f[slowest] + b[slowest])
@@ -510,7 +511,7 @@ def _pipeline_order(schedule: str, rank: int, s: int, m: int) -> list[tuple[str,
 
 def _simulate_pipeline(schedule: str, f: list[float], b: list[float], sends: list[float], m: int,
                        overlap: bool, opt: list[float] | None = None) -> tuple[float, float]:
-    """(the step's period, rank 0's busy time in one step) of one stage per rank: an op starts when its
+    """(the step's period, the ranks' mean busy time in one step) of one stage per rank: an op starts when its
     rank is free and its input has arrived (a forward: the previous stage's forward of the micro-batch plus
     the send; a backward: the next stage's backward plus the send, and its own forward). Without overlap
     (CPU: gloo's threads take the cores the rank computes on) a send also keeps its sender busy. Two
@@ -523,7 +524,7 @@ def _simulate_pipeline(schedule: str, f: list[float], b: list[float], sends: lis
         one = _pipeline_order(schedule, r, s, m)
         orders.append(one + [("O", 0)] + [(kind, k + m) for kind, k in one] + [("O", 1)])
     done: dict = {}
-    free, pos, busy0 = [0.0] * s, [0] * s, 0.0
+    free, pos, busy = [0.0] * s, [0] * s, 0.0
     while any(pos[r] < len(orders[r]) for r in range(s)):
         moved = False
         for r in range(s):
@@ -552,12 +553,12 @@ def _simulate_pipeline(schedule: str, f: list[float], b: list[float], sends: lis
                 end = max(free[r], arrive) + ms
                 done[(r, kind, k)] = end
                 free[r] = end + (0.0 if overlap else out)
-                busy0 += ms if r == 0 and k < m else 0.0
+                busy += ms if k < m else 0.0
                 pos[r] += 1
                 moved = True
         if not moved:
             raise RuntimeError(f"{schedule}: the simulated pipeline deadlocked")
-    return max(done[(r, "O", 1)] for r in range(s)) - max(done[(r, "O", 0)] for r in range(s)), busy0
+    return max(done[(r, "O", 1)] for r in range(s)) - max(done[(r, "O", 0)] for r in range(s)), busy / s
 
 
 def _piece_shares(pieces: list, counts: list[int]) -> tuple[list[float], list[float]]:
