@@ -824,10 +824,36 @@ def test_calibrate_keeps_the_median_of_its_repeats(monkeypatch):
     monkeypatch.setattr(cal, "_concurrent", lambda cmds, threads, what: launched.append(cmds) or (next(draws), {}))
     spec = {"model": "resnet18", "image_size": 32, "batch": 8, "mode": "fp32", "optimizer": "sgd", "device": "cpu",
             "steps": 2}
-    assert cal._spawn(spec, 1, 1, repeats=3) == {"fwd_ms": 20.0, "bwd_ms": 40.0, "opt_ms": 5.0}
-    assert len(launched) == 3
+    got, _ = cal._rounds([("k", cal._spawn(spec, 1, 1), False)], 3)["k"]
+    assert got == {"fwd_ms": 20.0, "bwd_ms": 40.0, "opt_ms": 5.0} and len(launched) == 3
     assert cal._median_pieces([[(1.0, 2.0), (5.0, 5.0)], [(3.0, 1.0), (4.0, 6.0)], [(2.0, 5.0), (6.0, 4.0)]]) == \
         [(2.0, 2.0), (5.0, 5.0)]
+
+
+def test_calibrate_launches_its_entries_round_by_round(capsys):
+    """Every entry's first launch, then every entry's second: a CPU's slow spells outlast a launch, and
+    back-to-back launches of one entry shared one. The collectives' middle launch comes after the first
+    round; a strategy whose run fails is left out with its reason, the plain compute's failure stops it."""
+    from common.bench import calibrate as cal
+    from common.config import UsageError
+
+    order = []
+
+    def draw(name, fail=False):
+        def go():
+            order.append(name)
+            if fail:
+                raise UsageError("exit 1")
+            return {"fwd_ms": float(len(order))}, {"strategy": name}
+        return go
+
+    jobs = [("plain", draw("plain"), False), ("ddp", draw("ddp"), True), ("broken", draw("broken", True), True)]
+    got = cal._rounds(jobs, 3, lambda: order.append("collectives"))
+    assert order == ["plain", "ddp", "broken", "collectives", "plain", "ddp", "plain", "ddp"]
+    assert got == {"plain": ({"fwd_ms": 5.0}, {"strategy": "plain"}), "ddp": ({"fwd_ms": 6.0}, {"strategy": "ddp"})}
+    assert "strategy broken: not calibrated (exit 1)" in capsys.readouterr().out
+    with pytest.raises(UsageError):
+        cal._rounds([("plain", draw("plain", True), False)], 2)
 
 
 def test_calibrate_fits_the_median_collectives_of_its_repeats(monkeypatch):

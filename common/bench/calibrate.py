@@ -11,8 +11,9 @@ pytorch_auto_mixed_precision.py / pytorch_half_precision.py for the half modes):
 step_compute_ms and step_optimizer_ms over the timed window, so the loop's own cost is in the input.
 For every world size n: each compute mode at the micro-batch a data-parallel rank of n gets (the
 global batch / n) and, with --microbatches M, a pipeline's (batch / M); then the collectives at n
-ranks (benchmarks/collectives.py, fitted per kind). --repeats N: N launches of each, medians kept;
-the collectives' launches spread over the world size's entries (its start, middle and end).
+ranks (benchmarks/collectives.py, fitted per kind). --repeats N: N launches of each, medians kept; the
+compute entries launched round by round (every entry once, then again), the collectives' launches spread
+over the world size's entries (its start, middle and end).
 On a CPU the compute is measured by n processes at once, each with the threads a run of n ranks gets,
 meeting before every optimizer step as the ranks of a job do (--lockstep).
 With --microbatches, a ResNet's four one-stage pieces are also timed one after another at the
@@ -70,22 +71,50 @@ SCRIPT = {"fp32": ("pytorch_SingleGPU.py", None), "amp_fp16": ("pytorch_auto_mix
           "pure_bf16": ("pytorch_half_precision.py", "bf16")}
 
 
-def _spawn(spec: dict, procs: int, threads: int, repeats: int = 1) -> dict:
-    """`procs` single-device runs at once (the project's own loop, its step_compute_ms and
-    step_optimizer_ms); the slowest one's figures (it sets a synchronous step's pace)."""
+def _spawn(spec: dict, procs: int, threads: int):
+    """A draw of the plain compute: `procs` single-device runs at once (the project's own loop, its
+    step_compute_ms and step_optimizer_ms); the slowest one's figures (it sets a synchronous step's pace)."""
     script, precision = SCRIPT[spec["mode"]]
     cmds = [[sys.executable, script, *to_flags(_run_args(spec)), *(["--precision", precision] if precision else [])]
             for _ in range(procs)]
-    return _median_of(repeats, lambda: _concurrent(cmds, threads, f"{script} {spec}"))[0]
+    return lambda: _concurrent(cmds, threads, f"{script} {spec}")
 
 
 def _median_of(repeats: int, draw) -> tuple[dict, dict]:
     """`repeats` draws of (figures, row): each figure's median over the draws, and the first draw's row.
     Launch to launch is where a CPU's time moves (15-35% on 2 cores); the steps of one launch agree."""
+    return _medians([draw() for _ in range(max(1, repeats))])
+
+
+def _medians(draws: list) -> tuple[dict, dict]:
     import statistics
 
-    draws = [draw() for _ in range(max(1, repeats))]
     return {k: statistics.median(d[0][k] for d in draws) for k in draws[0][0]}, draws[0][1]
+
+
+def _rounds(jobs: list, repeats: int, between=None) -> dict:
+    """{name: (each figure's median, the first draw's row)} of jobs [(name, draw, optional)], launched round
+    by round (every job's r-th launch before any job's r+1-th), as the matrix runs its --repeats: a 2-core
+    CPU has slow spells longer than a launch (launch-to-launch speed correlated 0.26-0.28 from one launch
+    to the next, 2026-11-25), and back-to-back launches of one entry shared one (two entries of the same
+    forward and backward, DeepSpeed ZeRO-1's and ZeRO-2's on one process, 119 and 95 ms). `between()` runs
+    after the first round. An optional job whose launch fails is left out, with its reason."""
+    draws: dict = {name: [] for name, _, _ in jobs}
+    for r in range(max(1, repeats)):
+        for name, draw, optional in jobs:
+            if name not in draws:
+                continue
+            try:
+                draws[name].append(draw())
+            except UsageError as exc:
+                if not optional:
+                    raise
+                print(f"strategy {name}: not calibrated ({exc})", flush=True)
+                del draws[name]
+        print(f"round {r + 1} of {max(1, repeats)}: {len(draws)} compute entries launched", flush=True)
+        if r == 0 and between is not None:
+            between()
+    return {name: _medians(got) for name, got in draws.items()}
 
 
 def _run_args(spec: dict) -> dict:
@@ -178,15 +207,15 @@ def _wait_all(procs: list) -> int | None:
     return failed if failed is not None else next((i for i, p in enumerate(procs) if p.returncode), None)
 
 
-def _strategy_runs(opts, spec: dict, n: int, gpus: int, threads: int, procs: int) -> list[tuple[str, dict]]:
+def _strategy_runs(opts, spec: dict, n: int, gpus: int, threads: int, procs: int) -> list[tuple[str, object]]:
     """Each distributed run of the preset on ONE process at a rank's micro-batch of an n-rank run, under
     its own launcher (`procs` at once on a CPU, as for the plain compute): the strategy's host work
-    around the same compute (DDP's bucket copies, FSDP2's copy-in/copy-out, DeepSpeed's hooks and
-    flat buffers) without a peer to talk to. (key mode, figures) per run; a pipeline needs 2 ranks."""
+    around the same compute (DDP's bucket copies, FSDP2's copy-in/copy-out, DeepSpeed's hooks and flat
+    buffers) without a peer to talk to. (run name, draw) per run; a pipeline needs 2 ranks."""
     from ..registry import BY_FILE
     from .matrix import command, load_matrix
 
-    out, seen = [], set()
+    out = []
     for run in load_matrix(opts.matrix, opts.preset, None, gpus):
         s = BY_FILE[run["script"]]
         if not s.distributed or s.max_processes or run["gpu_only"] and not gpus:
@@ -194,15 +223,8 @@ def _strategy_runs(opts, spec: dict, n: int, gpus: int, threads: int, procs: int
         # fp32: the key says so, whatever precision the preset's run trains in
         run = {**run, "nproc": 1, "args": {**run["args"], **_run_args(spec), "precision": "fp32"}}
         cmds = [command(run, gpus, os.devnull)[0] for _ in range(procs)]  # --results, --save-dir follow
-        try:
-            got, row = _median_of(opts.repeats,
-                                  lambda: _concurrent(cmds, threads, f"{run['name']} at 1 process"))
-        except UsageError as exc:
-            print(f"strategy {run['name']}: not calibrated ({exc})", flush=True)
-            continue
-        if row["strategy"] not in seen:  # two runs of one strategy (another batch, say): the first counts
-            seen.add(row["strategy"])
-            out.append((f"{spec['mode']}@{row['strategy']}", got))
+        what = f"{run['name']} at 1 process"
+        out.append((run["name"], lambda cmds=cmds, what=what: _concurrent(cmds, threads, what)))
     return out
 
 
@@ -417,15 +439,36 @@ def calibrate(opts) -> int:
         # launches minutes apart take the median of the state the runs will see
         early = [_collectives(n, device.type, threads, max_bytes, min_bytes)] if n > 1 and opts.repeats > 1 else []
         micro = {max(1, batch // n)} | ({max(1, batch // opts.microbatches)} if opts.microbatches and n > 1 else set())
+        jobs = []  # (name, draw, optional): the plain compute's entries, then each strategy's on one process
         for mode in modes:
             for b in sorted(micro):
                 spec = {"model": model, "image_size": image, "batch": b, "mode": mode, "optimizer": optimizer,
                         "device": device.type, "steps": opts.steps}
-                got = _spawn(spec, procs, threads, opts.repeats)
-                k = key(model, image, b, mode, optimizer, procs, threads)
-                data["compute"][k] = {m: round(v, 4) for m, v in got.items()}
-                print(f"compute {k}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
-                      f"optimizer {got['opt_ms']:.2f} ms", flush=True)
+                jobs.append((key(model, image, b, mode, optimizer, procs, threads), _spawn(spec, procs, threads),
+                             False))
+        strategies = {}  # a strategy run's name -> (mode, micro-batch) of its entry, fp32@<strategy>
+        if not opts.no_strategies:  # at 1 too: a --world-sizes 1,2 run's first point is the script alone
+            for mode in [m for m in modes if m == "fp32"]:
+                spec = {"model": model, "image_size": image, "batch": max(1, batch // n), "mode": mode,
+                        "optimizer": optimizer, "device": device.type, "steps": opts.steps}
+                for name, draw in _strategy_runs(opts, spec, n, 1 if cuda else 0, threads, procs):
+                    jobs.append((name, draw, True))
+                    strategies[name] = (mode, spec["batch"])
+
+        def middle(n=n, threads=threads):  # the collectives' launch between the first round and the rest
+            early.append(_collectives(n, device.type, threads, max_bytes, min_bytes))
+
+        seen = set()
+        for name, (got, row) in _rounds(jobs, opts.repeats, middle if n > 1 and opts.repeats > 2 else None).items():
+            if name in strategies:  # two runs of one strategy (another batch, say): the first counts
+                if row["strategy"] in seen:
+                    continue
+                seen.add(row["strategy"])
+                mode, b = strategies[name]
+                name = key(model, image, b, f"{mode}@{row['strategy']}", optimizer, procs, threads)
+            data["compute"][name] = {m: round(v, 4) for m, v in got.items()}
+            print(f"compute {name}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
+                  f"optimizer {got['opt_ms']:.2f} ms", flush=True)
         if n > 1 and opts.microbatches:
             for mode in modes:
                 spec = {"model": model, "image_size": image, "batch": max(1, batch // opts.microbatches),
@@ -439,17 +482,6 @@ def calibrate(opts) -> int:
                 if got:
                     data.setdefault("pieces", {})[k] = got
                     print(f"pieces {k}: " + ", ".join(f"{f:.2f}+{b:.2f} ms" for f, b in got), flush=True)
-        if n > 1 and opts.repeats > 2:
-            early.append(_collectives(n, device.type, threads, max_bytes, min_bytes))
-        if not opts.no_strategies:  # at 1 too: a --world-sizes 1,2 run's first point is the script alone
-            for mode in [m for m in modes if m == "fp32"]:
-                spec = {"model": model, "image_size": image, "batch": max(1, batch // n), "mode": mode,
-                        "optimizer": optimizer, "device": device.type, "steps": opts.steps}
-                for smode, got in _strategy_runs(opts, spec, n, 1 if cuda else 0, threads, procs):
-                    k = key(model, image, spec["batch"], smode, optimizer, procs, threads)
-                    data["compute"][k] = {m: round(v, 4) for m, v in got.items()}
-                    print(f"compute {k}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
-                          f"optimizer {got['opt_ms']:.2f} ms", flush=True)
         if n > 1:
             links, meet = _links(n, device.type, threads, max_bytes, opts.repeats, tuple(early), min_bytes)
             data["links"][str(n)] = links
