@@ -327,7 +327,7 @@ def _time(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
         lines += _table(["run", *PRED_PARTS, "other", "sum"],
                         [[label, *(f"{_fmt(r[f'step_{p}_ms'], 1)} / {_fmt(r[f'pred_{p}_ms'], 1)}" for p in PRED_PARTS),
                           _fmt(r.step_other_ms, 1),
-                          f"{_fmt(sum(r[f'step_{p}_ms'] for p in TIME_PARTS), 1)} / "
+                          f"{_fmt(_nansum(r[f'step_{p}_ms'] for p in TIME_PARTS), 1)} / "
                           f"{_fmt(sum(r[f'pred_{p}_ms'] for p in PRED_PARTS), 1)}"]
                          for label, r in med[parts].iterrows()])
     errors = med.pred_time_error_pct.dropna().abs()
@@ -338,6 +338,13 @@ def _time(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     lines += _time_order(ok, med)
     path = _time_chart(med, parts, out_dir, slug)
     return lines + ["", f"![{os.path.basename(path)}](charts/{os.path.basename(path)})"]
+
+
+def _nansum(values) -> float:
+    """The sum of the figures there are (a run with --comm-steps 0 has no exposed communication column);
+    NaN when there are none."""
+    got = [v for v in values if not math.isnan(v)]
+    return sum(got) if got else math.nan
 
 
 def _time_chart(med: pd.DataFrame, parts: pd.Series, out_dir: str, slug: str) -> str:
@@ -369,7 +376,7 @@ def _time_chart(med: pd.DataFrame, parts: pd.Series, out_dir: str, slug: str) ->
     handles = [Patch(color=colors[p], label=p) for p in TIME_PARTS]
     if pairs:
         handles.append(Patch(facecolor="white", hatch="//", edgecolor="black", linewidth=0.3, label="predicted"))
-    ticks = not parts.all() and med.pred_step_ms.notna().any()
+    ticks = bool((~parts & med.pred_step_ms.notna()).any())
     if ticks:
         handles.append(Line2D([], [], marker="|", markersize=14, linestyle="", color="black", label="predicted step"))
     ax.set_yticks(range(len(med)))

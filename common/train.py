@@ -161,8 +161,10 @@ class TimedWindow:
         self.instruments += self.before  # too few steps left to keep them out: inside the window
         self.before = []
         # a full collection the set-up (or the profiler's trace processing) left pending is not a step's:
-        # 155 ms for a DDP+ZeRO rank's 345,000 tracked objects (the collections the steps cause stay in)
+        # 155 ms for a DDP+ZeRO rank's 345,000 tracked objects (the collections the steps cause stay in); the
+        # ranks meet after it, or the first timed step's collective would hold one rank's wait for another's
         gc.collect()
+        barrier()
         synchronize(self.device)
         self.t0, self.running = time.perf_counter(), True
         # the step components first: the window's time from t0 on is theirs to tile

@@ -459,7 +459,9 @@ def _pipeline(p: StepPrediction, us, c: Compute, link: Link, overlap: bool, n: i
     GPipe and 1F1B (one stage per rank) are simulated op by op in the order their _step_microbatches
     runs them; interleaved 1F1B (two stages per rank) is not: (m + n - 1) slots of the slowest piece.
     compute_ms and optimizer_ms are a rank's own work, the mean over ranks as the rows' columns are; the
-    rest of the step it waits, which the measured columns count as exposed communication (a receive's wait)."""
+    rest of the step it waits, which the measured columns count as exposed communication (a receive's wait).
+    Interleaved 1F1B's compute_ms is the schedule's length, bubble included, and its optimizer the largest
+    stage's: its parts are not the ranks' mean."""
     shares, params, cut_bytes = _stage_split(us, stages or [4], setup)
     fwd, bwd = shares, shares
     if pieces:
