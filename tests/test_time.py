@@ -120,9 +120,6 @@ def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypa
     monkeypatch.setattr("common.train.build_instruments",
                         lambda cfg, model, hooks, m, *_: parts or parts.extend([StepParts(hooks.device)]) or parts)
     monkeypatch.setattr("common.train.Lockstep", lambda spec: Lockstep(spec, timeout_s=10))  # a miss fails, not hangs
-    # the collection before the window scans pytest's whole heap: against the partner's fixed pace the run
-    # would come last to one meeting (calibrate's runs each collect their own, alike)
-    monkeypatch.setattr("common.train.gc.collect", lambda: 0)
 
     def run(inside: bool) -> dict:
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -62,13 +62,12 @@ def test_the_garbage_left_is_collected_outside_the_window(monkeypatch):
     """A full collection the set-up left pending (DDP+ZeRO: 345,000 objects, 155 ms) runs before the window
     opens and before it resumes (the window not running), never between its steps, and the ranks meet
     after it; the profiler's trace before the ranks meet."""
-    import gc
-
     rec = Recorder()
     prof = Recorder()
     prof.outside_window, prof.done = 1, 0
     prof.step = lambda: setattr(prof, "done", prof.done + 1)
-    monkeypatch.setattr(gc, "collect", lambda: rec.events.append("gc" if not w.running else "gc in the window"))
+    monkeypatch.setattr("common.train.gc.collect",
+                        lambda: rec.events.append("gc" if not w.running else "gc in the window"))
     monkeypatch.setattr("common.train.barrier", lambda: rec.events.append("barrier"))
     w = TimedWindow(opens_at=1, device=torch.device("cpu"), instruments=[rec, prof], total_steps=10)
     three_steps_and_one(w)
