@@ -158,6 +158,32 @@ def test_sharded_strategies_send_their_expected_volume(launched, launch, factor)
     assert float(r["comm_bytes_per_step"]) == pytest.approx(factor * 4 * params, rel=0.10), (r["strategy"], r["model"])
 
 
+@pytest.mark.slow
+def test_zero3_rows_count_the_collectives_the_model_prices(launched):
+    """DeepSpeed ZeRO-3 (the shipped JSON, resnet18, 3 ranks) issues per step what the step model prices:
+    the forward's weights in one coalesced all-gather (stage3_prefetch_bucket_size, 5e7 elements, holds
+    its 11.4M), one bucket of gradients reduce-scattered, the norm's all-reduce, and each of the 50 weights
+    under stage3_param_persistence_threshold gathered in a call of its own after the step (stage3.py
+    _post_step). The model priced those 50 as one call until 2026-11-25."""
+    from common.measure.memory import Setup
+    from common.measure.timemodel import Compute, Link, predict_step
+
+    r = launched("pytorch_DeepSpeed-fp32").row
+    assert r["strategy"] == "deepspeed_zero3", r["strategy"]
+    with open(os.path.join(ROOT, "config", "zero_stage3_config.json")) as f:
+        zero = json.load(f)["zero_optimization"]
+    s = Setup(model=r["model"], image_size=int(r["image_size"]), batch_size=int(r["global_batch_size"]),
+              world_size=int(r["world_size"]), strategy="deepspeed_zero3", zero=zero)
+    calls = predict_step(s, Compute(10.0, 20.0, 5.0), Link(), overlap=False).calls
+    assert calls == 53
+    # the profiled steps (TINY: after 1 warm-up step) are DeepSpeed's second to fourth. The second's forward
+    # completes the trace the first recorded, and partitioned_param_coordinator.reset_step checks it across
+    # ranks: 3 assert_ints_same_as_other_ranks, 2 broadcasts each (zero/utils.py). From the third on, 53
+    # (a bare engine at 2 and 3 ranks: 136, 59, 53, 53 calls in its first four steps)
+    got = float(r["comm_calls_per_step"])
+    assert got == pytest.approx((calls + 6 + 2 * calls) / 3, abs=1e-3), got
+
+
 def test_world_size_runs_names_batches_and_cap(capsys):
     from common.bench.matrix import world_size_runs
     from common.config import UsageError

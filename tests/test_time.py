@@ -297,13 +297,14 @@ def test_each_meeting_of_the_ranks_costs_the_links_meet_ms_once():
     gradients: DDP's 3 buckets ready at 3 units (3), + ZeRO's broadcasts back to back after the optimizer
     (4); FSDP shard-grad-op: the root's and 8 blocks' gathers, each before its forward, and 9 reduce-
     scatters, each after its backward (18); full-shard adds the backward's first gather, the others
-    prefetched beside a reduce-scatter (19); ZeRO-3: the gathers of the 6 blocks of layer2-4 (the stem's,
-    layer1's and the head's weights are under 1e5 elements: persistent), one bucket of gradients
-    reduce-scattered after the backward, the norm, the persistent weights' gather after the step (9);
+    prefetched beside a reduce-scatter (19); ZeRO-3: one coalesced gather of every weight above 1e5
+    elements as the forward starts (the stem's, layer1's, the norms' and the head's are persistent), one
+    bucket of gradients reduce-scattered after the backward, the norm, the persistent weights' 50 gathers
+    after the step, issued back to back (4);
     ZeRO-1/2: the buckets after the backward, the norm, the gather after the optimizer (3). One process meets nobody."""
     met = dataclasses.replace(FAST, meet_ms=1.0)
     want = {"ddp": 3, "accelerate_ddp": 3, "ddp_zero": 4, "fsdp_shard-grad-op": 18, "fsdp_full-shard": 19,
-            "deepspeed_zero3": 9, "deepspeed_zero1": 3, "deepspeed_zero2": 3, "dp": 0}
+            "deepspeed_zero3": 4, "deepspeed_zero1": 3, "deepspeed_zero2": 3, "dp": 0}
     for st, meetings in want.items():
         a, b = (predict_step(setup(st), C, link, overlap=False) for link in (FAST, met))
         assert b.step_ms - a.step_ms == pytest.approx(meetings) and b.comm_ms - a.comm_ms == pytest.approx(meetings), st
@@ -380,10 +381,10 @@ def test_deepspeed_adds_the_gradient_norms_all_reduce():
     lat = Link({"all_reduce": 1e6, "all_gather": 1e6}, {"all_reduce": 1000.0, "all_gather": 500.0})
     # resnet18's 44.7 MB of gradients in one 50M-element bucket: its all-reduce, the norm's, one all-gather
     assert predict_step(setup("deepspeed_zero2"), C, lat, overlap=False).comm_ms == pytest.approx(2.5, abs=0.01)
-    # ZeRO-3: 6 blocks' gathers (0.5 each), one bucket reduce-scattered (the all-reduce's 1.0), the norm
-    # (1.0), the persistent weights' gather after the step (0.5); without the norm 1.0 less
+    # ZeRO-3: the forward's one coalesced gather (0.5), one bucket reduce-scattered (the all-reduce's 1.0),
+    # the norm (1.0), the 50 persistent weights' gathers after the step (0.5 each, on gloo's 2 threads)
     zero3 = predict_step(setup("deepspeed_zero3"), C, lat, overlap=False).comm_ms
-    assert zero3 == pytest.approx(6 * 0.5 + 1.0 + 1.0 + 0.5, abs=0.01)
+    assert zero3 == pytest.approx(0.5 + 1.0 + 1.0 + 50 * 0.5 / 2, abs=0.01)
     # in half precision ZeRO-1/2 also all-reduce the overflow check (fp16 always, bf16 by default); ZeRO-3 in fp16
     half = predict_step(setup("deepspeed_zero2", precision="bf16"), C, lat, overlap=False).comm_ms
     assert half == pytest.approx(3.5, abs=0.01)
@@ -543,23 +544,29 @@ def test_zero3_gathers_once_while_its_reuse_distance_holds_the_weights():
     weights of at most stage3_param_persistence_threshold elements (1e5) once, after the optimizer step
     (stage3.py _post_step), and reduce-scatters the gradients in reduce_bucket_size buckets. At 1 GB/s
     with no latency a collective's ms is its bytes: every weight gathered once and every gradient
-    reduce-scattered once, as shard-grad-op (the rows measured 2 x 44.7 MB a step); a reuse distance of
-    1000 elements brings the backward's gathers back. The persistent ones after the step, in one call:
-    9 meetings; with none persistent, 11 (the root's and 8 blocks' gathers, the bucket, the norm)."""
+    reduce-scattered once, as shard-grad-op (the rows measured 2 x 44.7 MB a step; in order, as NCCL runs
+    them, the same sum); a reuse distance of 1000 elements brings the backward's gathers back. The forward's
+    weights in one coalesced call (stage3_prefetch_bucket_size 5e7 holds resnet18's 11.4M), the persistent
+    ones after the step back to back. Meetings: the forward's call, the bucket, the norm and the gathers
+    after the step, 4; none persistent, 3; a prefetch bucket of 3M elements, 5 (2 forward calls: layer2 to
+    layer4.0's 6.2M, then layer4.1's 4.7M); no prefetch (0), 9 (a gather per unit of layer2-4). Calls: 53,
+    what its rows count (test_comm.py test_zero3_rows_count_the_collectives_the_model_prices)."""
     bw = Link({"all_reduce": 1.0}, {"all_reduce": 0.0})
     ms = 0.5 * 4 / 1e6  # per element: fp32, bus factor (n - 1) / n at 2 ranks, 1 GB/s
     params = [x for u in units("resnet18", 32) for x in u.params]
     persistent, gathered = sum(x for x in params if x <= 100_000), sum(x for x in params if x > 100_000)
-    z3, sgo = (predict_step(setup(st), C, bw, overlap=False).comm_ms
+    z3, sgo = (predict_step(setup(st), C, bw, overlap=True).comm_ms
                for st in ("deepspeed_zero3", "fsdp_shard-grad-op"))
     assert persistent > 0 and z3 == pytest.approx(sgo, rel=1e-6)
     again = predict_step(setup("deepspeed_zero3", zero={"stage3_max_reuse_distance": 1000}), C, bw,
-                         overlap=False).comm_ms
+                         overlap=True).comm_ms
     assert again - z3 == pytest.approx(gathered * ms, rel=1e-3)
     met = dataclasses.replace(FAST, meet_ms=1.0)
-    for zero, meetings in (({}, 9), ({"stage3_param_persistence_threshold": 0}, 11)):
+    for zero, meetings in (({}, 4), ({"stage3_param_persistence_threshold": 0}, 3),
+                           ({"stage3_prefetch_bucket_size": 3_000_000}, 5), ({"stage3_prefetch_bucket_size": 0}, 9)):
         a, b = (predict_step(setup("deepspeed_zero3", zero=zero), C, link, overlap=False) for link in (FAST, met))
         assert b.step_ms - a.step_ms == pytest.approx(meetings), zero
+    assert predict_step(setup("deepspeed_zero3"), C, FAST, overlap=False).calls == 1 + 1 + 1 + 50
     # gradients in buckets of 1M elements instead of one: the same bytes, more reduce-scatters
     bucketed = predict_step(setup("deepspeed_zero3", zero={"reduce_bucket_size": 1_000_000}), C, FAST, overlap=False)
     assert bucketed.comm_ms > predict_step(setup("deepspeed_zero3"), C, FAST, overlap=False).comm_ms

@@ -30,12 +30,18 @@ order; a collective starts when its inputs are ready and the link is free:
                          gradient norm's one-element all-reduce (get_grad_norm_direct: compute_grad_norm
                          is on by default, zero/config.py), as in ZeRO-3 (stage3.py _get_norm_groups),
                          and in half precision the overflow check's (has_overflow; ZeRO-3: fp16 only)
-  deepspeed_zero3        per unit an all-gather before its forward, prefetched, of the weights above
-                         stage3_param_persistence_threshold elements (the rest are gathered once, after
-                         the optimizer step, _post_step); no gather in backward while the step's trace
-                         (2 x the model's elements) is within stage3_max_reuse_distance (1e9: the weights
-                         stay gathered); the gradients
-                         reduce-scattered in reduce_bucket_size buckets; the norm's all-reduce
+  deepspeed_zero3        the weights above stage3_param_persistence_threshold elements all-gathered in
+                         coalesced calls of up to stage3_prefetch_bucket_size elements, the first when
+                         the forward starts, each next one a unit later (partitioned_param_coordinator
+                         fetch_sub_module: with a complete trace the first module's fetch prefetches the
+                         queue up to that size in one all_gather_coalesced; resnet18: one call); no gather
+                         in backward while the step's trace (2 x the model's elements) is within
+                         stage3_max_reuse_distance (1e9: the weights stay gathered); the gradients
+                         reduce-scattered in reduce_bucket_size buckets; the norm's all-reduce; after the
+                         optimizer step every persistent weight all-gathered in a call of its own,
+                         issued async and waited together (stage3.py _post_step ->
+                         partition_parameters.py _allgather_params_coalesced: resnet18's 50; its rows
+                         count 53 collectives a step: these, the forward's one, a reduce-scatter, the norm)
   dp                     (one process, n GPUs) weights broadcast and gradients reduced, not overlapped
   tp, tp_fsdp            the tp rank's share of the FLOPs, plus 4 activation all-reduces per block and
                          micro-batch, exposed (the next op waits on each); tp_fsdp adds FSDP over dp
@@ -77,7 +83,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .comm import bus_factor
-from .memory import DS_REDUCE_BUCKET, ITEMSIZE, Setup, meta_model
+from .memory import DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, ITEMSIZE, Setup, meta_model
 
 FIRST_BUCKET_BYTES = 1024 ** 2  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 BUCKET_BYTES = 25 * 1024 ** 2  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB
@@ -145,6 +151,10 @@ class StepPrediction:
     comm_exposed_ms: float = 0.0
     optimizer_ms: float = 0.0
     comm_ms: float = 0.0  # every collective's time, hidden or not
+    # the backend collectives the model prices per rank and step, to set beside the rows' comm_calls_per_step
+    # (which also counts what the model leaves out: DDP's buffer broadcasts); None where it does not count
+    # them (DataParallel, tensor and pipeline parallelism)
+    calls: int | None = None
     notes: list = field(default_factory=list)
 
     @property
@@ -209,7 +219,7 @@ class _Schedule:
 
     def __init__(self, overlap: bool, meet_ms: float = 0.0):
         self.overlap, self.free, self.end = overlap, {}, []
-        self.comm = 0.0
+        self.comm, self.calls = 0.0, 0
         # Link.meet_ms once per meeting: the collectives a rank issues at one point of its compute (after the
         # same compute task: its latest dependency, else the latest added) meet once, back to back
         self.meet_ms, self.meets, self.computed, self.issued = meet_ms, 0, [], None
@@ -224,7 +234,7 @@ class _Schedule:
         self.end.append(start + ms)
         self.free[res] = self.end[-1]
         if resource == "comm":
-            self.comm += ms
+            self.comm, self.calls = self.comm + ms, self.calls + 1
         else:
             self.computed.append(len(self.end) - 1)
         return len(self.end) - 1
@@ -293,10 +303,12 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
         _forward_backward(s, us, c)
     shard = 1.0
     post = 0.0  # collectives after the optimizer step, exposed
+    post_calls = 0  # the number of those collectives
     meets = 0  # the meetings among them: a run of collectives with compute before it
     if st in ("single", "half", "amp") or n == 1 and st not in ("dp",):
         _forward_backward(s, us, c)
     elif st == "dp":
+        post_calls = None  # torch.cuda.comm's copies, not a process group's collectives
         _forward_backward(s, us, c)
         post = link.ms("broadcast", numel * 4, 2) + link.ms("reduce", numel * 4, 2)  # torch.cuda.comm, per GPU
     elif st in ("ddp", "accelerate_ddp", "ddp_zero", "deepspeed_zero0"):
@@ -311,11 +323,12 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
             # (ZeroRedundancyOptimizer._broadcast_params_from_rank): NCCL runs them in order on its stream,
             # gloo on its process group's worker threads (ProcessGroupGloo.hpp Options: threads{2})
             post = _on_lanes([link.ms("broadcast", x * w_bytes, n) for _, x in params], 1 if overlap else GLOO_THREADS)
+            post_calls = len(params)
             meets = 1  # issued back to back
     elif st.startswith(("fsdp_full-shard", "fsdp_shard-grad-op", "fsdp_hybrid", "accelerate_fsdp",
                         "deepspeed_zero3", "accelerate_deepspeed_zero3")):
         shard = 1.0 / n
-        regather, persist, bucket = not st.startswith("fsdp_shard-grad-op"), 0, 0
+        regather, persist, bucket, prefetch = not st.startswith("fsdp_shard-grad-op"), 0, 0, 0
         if st.startswith(("deepspeed", "accelerate_deepspeed")):
             z = setup.zero
             # partitioned_param_coordinator.__params_to_release: a module's weights stay gathered after its
@@ -327,16 +340,22 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
             regather = 2 * numel > int(z.get("stage3_max_reuse_distance", DS_REUSE_DISTANCE))
             persist = int(z.get("stage3_param_persistence_threshold", DS_PERSISTENCE))
             bucket = int(z.get("reduce_bucket_size", DS_REDUCE_BUCKET)) * g_bytes
-        _fsdp(s, us, c, link, n, w_bytes, g_bytes, regather, persist, bucket)
+            # partitioned_param_coordinator.fetch_sub_module: the queue prefetched up to this many elements
+            # (0: no prefetch, each module gathers its own: priced per unit)
+            prefetch = int(z.get("stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET))
+        _fsdp(s, us, c, link, n, w_bytes, g_bytes, regather, persist, bucket, prefetch)
         if st.startswith(("deepspeed", "accelerate_deepspeed")):
-            post, meets = link.ms("all_reduce", 4, n), 1  # the gradient norm (stage3.py _get_norm_groups)
+            post, meets, post_calls = link.ms("all_reduce", 4, n), 1, 1  # the norm (stage3.py _get_norm_groups)
             # the persistent weights' optimizer state is partitioned too: stage3.py _post_step all-gathers
-            # them, in one call, after every step
-            kept = sum(x for u in us for x in u.params if x <= persist)
+            # them after every step, one all_gather_into_tensor per parameter issued async and then waited
+            # in order (partition_parameters.py _allgather_params_coalesced), as DDP+ZeRO's broadcasts
+            kept = [x for u in us for x in u.params if x <= persist]
             if kept:
-                post, meets = post + link.ms("all_gather", kept * w_bytes, n), 2
+                lanes = 1 if overlap else GLOO_THREADS
+                post, meets = post + _on_lanes([link.ms("all_gather", x * w_bytes, n) for x in kept], lanes), 2
+                post_calls += len(kept)
             if setup.precision == "fp16":  # stage3.py _overflow_check_and_loss_scale_update: fp16 only
-                post += link.ms("all_reduce", 4, n)
+                post, post_calls = post + link.ms("all_reduce", 4, n), post_calls + 1
     elif st.startswith(("deepspeed_zero1", "deepspeed_zero2", "accelerate_deepspeed_zero1",
                         "accelerate_deepspeed_zero2")):
         _, bwd = _forward_backward(s, us, c)
@@ -354,13 +373,14 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
             prev = (s.add("comm", link.ms(kind, nbytes, n), (bwd[unit if hidden else 0], *prev)),)
         shard = 1.0 / n
         post = link.ms("all_gather", numel * w_bytes, n) + link.ms("all_reduce", 4, n)  # + the gradient norm
-        meets = 2  # the norm after its computation, the gather after the optimizer
+        meets, post_calls = 2, 2  # the norm after its computation, the gather after the optimizer
         if half:  # check_overflow's all-reduce (engine.py: fp16 always, bf16 by default; not fp32)
-            post += link.ms("all_reduce", 4, n)
+            post, post_calls = post + link.ms("all_reduce", 4, n), post_calls + 1
     elif st in ("tp", "tp_fsdp"):
         return _tensor_parallel(p, setup, c, link, overlap)
     else:
         _forward_backward(s, us, c)
+        post_calls = None
         p.notes.append(f"{st}: no communication model; compute and optimizer only")
     compute = (c.fwd_ms + c.bwd_ms) * accum
     synced = n > 1 and st not in ("single", "half", "amp", "dp")  # dp: one process
@@ -368,15 +388,17 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     post += meets * s.meet_ms
     p.comm_exposed_ms = max(0.0, s.length - compute) + post + (c.sync_ms if synced else 0.0)
     p.comm_ms = s.comm + post
+    p.calls = None if post_calls is None else s.calls + post_calls
     p.optimizer_ms = c.opt_ms * shard
     return p
 
 
 def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_bytes: int, regather: bool,
-          persist: int = 0, bucket: int = 0) -> None:
+          persist: int = 0, bucket: int = 0, prefetch: int = 0) -> None:
     """FSDP2 (and ZeRO-3) per unit; the stem and head form the root unit, gathered first. ZeRO-3: weights
-    of at most `persist` elements are not gathered per unit (the caller gathers them after the step), and
-    the gradients are reduce-scattered in buckets of `bucket` bytes as they are ready, not per unit."""
+    of at most `persist` elements are not gathered in the forward (the caller gathers them after the step),
+    the others in coalesced calls of up to `prefetch` elements (DeepSpeed's prefetch bucket; 0: per unit),
+    and the gradients are reduce-scattered in buckets of `bucket` bytes as they are ready, not per unit."""
     def gathered(u) -> int:
         return sum(x for x in u.params if x > persist)
 
@@ -385,19 +407,40 @@ def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_byte
     size = {i: gathered(us[i]) for i in blocks}
     grads = {i: sum(us[i].params) for i in range(len(us))}
     done = {}  # unit -> its backward
-    ag_root = s.add("comm", link.ms("all_gather", root * w_bytes, n)) if root else None
-    last = (ag_root,) if ag_root is not None else ()
-    fwd = {}
-    if len(us) > 1:
-        fwd[0] = s.add("compute", c.fwd_ms * us[0].share, last)
-        last = (fwd[0],)
-    for i in blocks:
-        ag = s.add("comm", link.ms("all_gather", size[i] * w_bytes, n), (ag_root,) if ag_root is not None else ())
-        fwd[i] = s.add("compute", c.fwd_ms * us[i].share, (*last, ag))
-        last = (fwd[i],)
-    if len(us) > 1:
-        done[len(us) - 1] = s.add("compute", c.fwd_ms * us[-1].share + c.bwd_ms * us[-1].share, last)
-        last = (done[len(us) - 1],)
+    fwd, last = {}, ()
+    if prefetch:  # ZeRO-3: the units' weights in forward order, cut into prefetch buckets
+        chunks, chunk_of = [], {}  # [elements], unit -> its bucket
+        for i in range(len(us)):
+            x = gathered(us[i])
+            if x:
+                if not chunks or chunks[-1] >= prefetch:  # DeepSpeed closes a bucket once it reaches the size
+                    chunks.append(0)
+                chunks[-1] += x
+                chunk_of[i] = len(chunks) - 1
+        ags = []
+        for i in range(len(us)):  # each module's fetch tops up the prefetch: the next bucket goes a unit later
+            if len(ags) < len(chunks):
+                ags.append(s.add("comm", link.ms("all_gather", chunks[len(ags)] * w_bytes, n), last))
+            deps = (*last, ags[chunk_of[i]]) if i in chunk_of else last
+            if i == len(us) - 1 and len(us) > 1:  # the head: its forward and backward back to back
+                done[i] = s.add("compute", c.fwd_ms * us[i].share + c.bwd_ms * us[i].share, deps)
+                last = (done[i],)
+            else:
+                fwd[i] = s.add("compute", c.fwd_ms * us[i].share, deps)
+                last = (fwd[i],)
+    else:
+        ag_root = s.add("comm", link.ms("all_gather", root * w_bytes, n)) if root else None
+        last = (ag_root,) if ag_root is not None else ()
+        if len(us) > 1:
+            fwd[0] = s.add("compute", c.fwd_ms * us[0].share, last)
+            last = (fwd[0],)
+        for i in blocks:
+            ag = s.add("comm", link.ms("all_gather", size[i] * w_bytes, n), (ag_root,) if ag_root is not None else ())
+            fwd[i] = s.add("compute", c.fwd_ms * us[i].share, (*last, ag))
+            last = (fwd[i],)
+        if len(us) > 1:
+            done[len(us) - 1] = s.add("compute", c.fwd_ms * us[-1].share + c.bwd_ms * us[-1].share, last)
+            last = (done[len(us) - 1],)
     order = list(reversed(blocks))
     gathers = {}
     for k, i in enumerate(order):
