@@ -199,6 +199,7 @@ ADVISE_BAD = [
     # refused before the compute entries' minutes, not after them
     (["calibrate", "--preset", "smoke", "--link-max-bytes", "64Q"], "--link-max-bytes '64Q': a size of at least 16K"),
     (["calibrate", "--preset", "smoke", "--link-min-bytes", "1G"], "--link-min-bytes '1G': a size from 256 up to"),
+    (["calibrate", "--preset", "smoke", "--device", "cpu", "--modes", "fp32,tf32"], "--modes tf32: TF32 is a CUDA"),
 ]
 
 

@@ -18,6 +18,7 @@ from common.measure.memory import Setup
 from common.measure.stepparts import StepParts
 from common.measure.steptime import StepTimes
 from common.measure.timemodel import Compute, Link, predict_step, units
+from common.measure.timepred import TimePrediction
 from common.train import TrainHooks, fit
 
 PARTS = ("step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms", "step_other_ms")
@@ -629,6 +630,32 @@ def test_a_strategys_own_calibration_comes_first(tmp_path, monkeypatch):
 
     assert predicted("ddp").compute_ms == 60.0 and predicted("ddp").optimizer_ms == 6.0
     assert predicted("ddp_zero").compute_ms == 30.0  # nothing calibrated for it: the plain model's
+
+
+def test_a_tf32_run_on_cuda_is_priced_from_the_tf32_entry(tmp_path):
+    """--tf32 puts an fp32 run's matmuls and convolutions on a GPU's tensor cores: on CUDA it is priced
+    from calibrate's tf32 entry (the single device with --tf32), never from fp32's; with none there is no
+    prediction; a CPU ignores the flag and fp32's entry serves."""
+    import json
+
+    gpu = "NVIDIA H200"
+    fp32, tf32 = {"fwd_ms": 30.0, "bwd_ms": 60.0, "opt_ms": 5.0}, {"fwd_ms": 10.0, "bwd_ms": 20.0, "opt_ms": 5.0}
+    cal = tmp_path / "cal.json"
+
+    def predicted(device, name, threads, entries, **over):
+        cal.write_text(json.dumps({"device_name": name, "device_type": device, "links": {}, "compute": entries}))
+        setup = Setup(model="resnet50", image_size=224, batch_size=32, world_size=1, strategy="single")
+        cfg = TrainConfig(calibration=str(cal), workers=2, **over)
+        where = (name, 1, threads)
+        return TimePrediction(cfg, setup, torch.device(device), None, None, "single", where=where).predict()
+
+    both = {key("resnet50", 224, 32, "fp32", "sgd", 1, 1): fp32, key("resnet50", 224, 32, "tf32", "sgd", 1, 1): tf32}
+    assert predicted("cuda", gpu, 1, both, tf32=True)[0].compute_ms == 30.0
+    assert predicted("cuda", gpu, 1, both)[0].compute_ms == 90.0
+    pred, why = predicted("cuda", gpu, 1, {key("resnet50", 224, 32, "fp32", "sgd", 1, 1): fp32}, tf32=True)
+    assert pred is None and "|tf32|" in why, why
+    cpu = {key("resnet50", 224, 32, "fp32", "sgd", 1, 2): fp32}
+    assert predicted("cpu", "CPU X", 2, cpu, tf32=True)[0].compute_ms == 90.0
 
 
 def test_a_rows_predicted_components_add_up_to_its_predicted_step(tmp_path, monkeypatch):

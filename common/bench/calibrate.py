@@ -35,7 +35,7 @@ from ..config import UsageError, to_flags
 from ..names import classification_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODES = ("fp32", "amp_fp16", "amp_bf16", "pure_fp16", "pure_bf16")
+MODES = ("fp32", "tf32", "amp_fp16", "amp_bf16", "pure_fp16", "pure_bf16")
 
 
 def add_args(p) -> None:
@@ -66,7 +66,9 @@ def add_args(p) -> None:
     p.add_argument("--out", default=os.path.join("results", "calibration.json"), help="the calibration file")
 
 
-SCRIPT = {"fp32": ("pytorch_SingleGPU.py", None), "amp_fp16": ("pytorch_auto_mixed_precision.py", "fp16"),
+# tf32: the single device with --tf32 (tensor-core fp32 on CUDA), priced apart from fp32 (calibration.compute_mode)
+SCRIPT = {"fp32": ("pytorch_SingleGPU.py", None), "tf32": ("pytorch_SingleGPU.py", None),
+          "amp_fp16": ("pytorch_auto_mixed_precision.py", "fp16"),
           "amp_bf16": ("pytorch_auto_mixed_precision.py", "bf16"), "pure_fp16": ("pytorch_half_precision.py", "fp16"),
           "pure_bf16": ("pytorch_half_precision.py", "bf16")}
 
@@ -75,8 +77,8 @@ def _spawn(spec: dict, procs: int, threads: int):
     """A draw of the plain compute: `procs` single-device runs at once (the project's own loop, its
     step_compute_ms and step_optimizer_ms); the slowest one's figures (it sets a synchronous step's pace)."""
     script, precision = SCRIPT[spec["mode"]]
-    cmds = [[sys.executable, script, *to_flags(_run_args(spec)), *(["--precision", precision] if precision else [])]
-            for _ in range(procs)]
+    flags = ["--precision", precision] if precision else ["--tf32"] if spec["mode"] == "tf32" else []
+    cmds = [[sys.executable, script, *to_flags(_run_args(spec)), *flags] for _ in range(procs)]
     return lambda: _concurrent(cmds, threads, f"{script} {spec}")
 
 
@@ -411,6 +413,8 @@ def calibrate(opts) -> int:
     cuda = opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device here")
+    if "tf32" in modes and not cuda:
+        raise UsageError("--modes tf32: TF32 is a CUDA math mode; on a CPU an fp32 entry prices a --tf32 run")
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     cores = os.cpu_count() or 1
     try:

@@ -38,9 +38,12 @@ import torch
 DEFAULT = "results/calibration.json"
 
 
-def compute_mode(strategy: str, precision: str) -> str:
+def compute_mode(strategy: str, precision: str, tf32: bool = False) -> str:
+    """The calibration mode a run's compute is priced from. `tf32`: an fp32 run on CUDA with TF32 allowed
+    (--tf32), whose matmuls and convolutions run on tensor cores (2-3x an fp32 step on an A100 or H100),
+    so it is never priced from an fp32 entry; on a CPU the flag changes no kernel and fp32 serves."""
     if precision not in ("fp16", "bf16"):
-        return "fp32"
+        return "tf32" if tf32 else "fp32"
     pure = strategy == "half" or strategy.startswith(("deepspeed", "accelerate_deepspeed"))
     return ("pure_" if pure else "amp_") + precision
 

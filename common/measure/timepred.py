@@ -53,8 +53,8 @@ class TimePrediction(Instrument):
 
         pp = self.strategy.startswith("pp_")
         micro = s.batch_size // cfg.microbatches if pp else s.micro_batch
-        mode = compute_mode(s.strategy, s.precision)
         cuda = self.device.type == "cuda"
+        mode = compute_mode(s.strategy, s.precision, cuda and bool(getattr(cfg, "tf32", False)))
         name, procs, threads = self.where or (device_name(self.device), int(os.environ.get(
             "LOCAL_WORLD_SIZE", world_size())), torch.get_num_threads())
         procs, threads = (1, 1) if cuda else (procs, threads)
