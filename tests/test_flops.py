@@ -38,10 +38,13 @@ def test_peak_table_is_keyed_by_exact_name_and_math():
     assert gpu_peak_tflops("NVIDIA A100", "fp32") is None  # no prefix matching
 
 
-@pytest.mark.parametrize("name, gpus, peak", [("NVIDIA Imaginary 9000", 1, None), ("NVIDIA A100-SXM4-80GB", 2, 624.0)])
+# DataParallel: one process, every GPU; pytorch_MP.py on one GPU: both halves on cuda:0, one peak (an H200 row
+# read 134 TFLOP/s, 2026-11-26)
+@pytest.mark.parametrize("name, gpus, peak", [("NVIDIA Imaginary 9000", [0], None),
+                                              ("NVIDIA A100-SXM4-80GB", [0, 1], 624.0), ("NVIDIA H200", [0, 0], 989.5)])
 def test_mfu_only_for_a_device_in_the_table(monkeypatch, name, gpus, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
-    devices = [torch.device("cuda", i) for i in range(gpus)]  # DataParallel: one process, every GPU
+    devices = [torch.device("cuda", i) for i in gpus]
     row = Flops("resnet18", 32, "bf16", devices, torch.device("cpu"), throughput=lambda: 1000.0).row()
     assert row["achieved_tflops"] == pytest.approx(row["train_gflop_per_img"] * 1000.0 / 1000, rel=1e-3)
     assert row["peak_tflops"] == peak
@@ -108,3 +111,23 @@ def test_an_mfu_above_one_says_why():
     assert out["mfu"] == 2.0 and "Winograd" in out["notes"]
     row.peak = 1.0
     assert "notes" not in row.row()
+
+
+def test_a_gpu_named_twice_counts_its_energy_once(monkeypatch):
+    """pytorch_MP.py on one GPU passes cuda:0 for both halves: one NVML counter, not the same joules twice."""
+    from common.measure import energy
+
+    class Lib:
+        class NVMLError(Exception):
+            pass
+
+        def nvmlDeviceGetTotalEnergyConsumption(self, h):  # mJ, 1 J more at each read
+            self.reads = getattr(self, "reads", 0) + 1
+            return 1000 * self.reads
+
+    lib = Lib()
+    monkeypatch.setattr(energy, "nvml_handle", lambda d: (lib, f"handle {d}"))
+    counter = energy.Energy([torch.device("cuda", 0)] * 2, torch.device("cpu"), 32).counter
+    counter.start()
+    counter.poll()
+    assert counter.handles == ["handle cuda:0"] and counter.joules == 1.0

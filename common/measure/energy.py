@@ -105,7 +105,7 @@ class Energy(Instrument):
     def __init__(self, devices: list[torch.device], run_device: torch.device, batch_size: int,
                  rapl_root: str = RAPL_ROOT, poll_s: float = 1.0):
         self.run_device, self.batch_size, self.poll_s = run_device, batch_size, poll_s
-        gpus = [d for d in devices if d.type == "cuda"]
+        gpus = list(dict.fromkeys(d for d in devices if d.type == "cuda"))  # MP on one GPU names it twice
         self.counter = None
         if gpus:
             self.counter = NvmlCounter(gpus)

@@ -172,7 +172,7 @@ class Flops(Instrument):
             if global_rank() == 0:
                 print(f"note: FLOPs of {model} not counted on the meta device ({type(exc).__name__}): "
                       f"train_gflop_per_img, achieved_tflops and mfu stay empty", file=sys.stderr, flush=True)
-        gpus = [d for d in devices if d.type == "cuda"]
+        gpus = list(dict.fromkeys(d for d in devices if d.type == "cuda"))  # MP on one GPU names it twice
         if gpus:
             math_ = run_math(precision, gpus[0])
             peaks = [gpu_peak_tflops(torch.cuda.get_device_name(d), math_) for d in gpus]
