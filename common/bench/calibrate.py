@@ -66,18 +66,19 @@ def add_args(p) -> None:
     p.add_argument("--out", default=os.path.join("results", "calibration.json"), help="the calibration file")
 
 
-# tf32: the single device with --tf32 (tensor-core fp32 on CUDA), priced apart from fp32 (calibration.compute_mode)
-SCRIPT = {"fp32": ("pytorch_SingleGPU.py", None), "tf32": ("pytorch_SingleGPU.py", None),
-          "amp_fp16": ("pytorch_auto_mixed_precision.py", "fp16"),
-          "amp_bf16": ("pytorch_auto_mixed_precision.py", "bf16"), "pure_fp16": ("pytorch_half_precision.py", "fp16"),
-          "pure_bf16": ("pytorch_half_precision.py", "bf16")}
+# each mode's script and flags; tf32: the single device with --tf32 (tensor-core fp32 on CUDA), priced apart
+# from fp32 (calibration.compute_mode)
+SCRIPT = {"fp32": ("pytorch_SingleGPU.py", ()), "tf32": ("pytorch_SingleGPU.py", ("--tf32",)),
+          "amp_fp16": ("pytorch_auto_mixed_precision.py", ("--precision", "fp16")),
+          "amp_bf16": ("pytorch_auto_mixed_precision.py", ("--precision", "bf16")),
+          "pure_fp16": ("pytorch_half_precision.py", ("--precision", "fp16")),
+          "pure_bf16": ("pytorch_half_precision.py", ("--precision", "bf16"))}
 
 
 def _spawn(spec: dict, procs: int, threads: int):
     """A draw of the plain compute: `procs` single-device runs at once (the project's own loop, its
     step_compute_ms and step_optimizer_ms); the slowest one's figures (it sets a synchronous step's pace)."""
-    script, precision = SCRIPT[spec["mode"]]
-    flags = ["--precision", precision] if precision else ["--tf32"] if spec["mode"] == "tf32" else []
+    script, flags = SCRIPT[spec["mode"]]
     cmds = [[sys.executable, script, *to_flags(_run_args(spec)), *flags] for _ in range(procs)]
     return lambda: _concurrent(cmds, threads, f"{script} {spec}")
 
