@@ -36,11 +36,12 @@ def half_size(precision: str) -> dict:
     return {} if native[precision]() else {"image_size": 16}
 
 
-def launcher_cmd(launcher: str, nproc: int) -> list[str]:
+def launcher_cmd(launcher: str, nproc: int, port: int | None = None) -> list[str]:
     if launcher == "torchrun":
-        return [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+        return [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(nproc), "--master_port",
+                str(port or free_port())]
     if launcher == "deepspeed":
-        return [os.path.join(BIN, "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port())]
+        return [os.path.join(BIN, "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port or free_port())]
     return [sys.executable]
 
 
@@ -58,19 +59,33 @@ def run(script: str, args: list[str], nproc: int = 1, launcher: str = "python", 
 
 
 def run_at_once(jobs: dict, timeout: int = 300) -> dict:
-    """{key: (script, args)} -> {key: CompletedProcess}: each a `python script args` of its own, all started
-    together. For the checks whose process only starts and refuses (a bad flag, a bad file): each spends
-    its ~3.5 s importing torch on one core, so on two cores they take half the time one after another
-    would. Output goes to files (a full pipe nobody reads would stall a process)."""
+    """{key: (script, args) or (script, args, launch)} -> {key: CompletedProcess}: each a `python script
+    args` of its own, or under launch's {"launcher": "torchrun", "nproc": 2, "launcher_args": [...],
+    "env": {...}} (each launcher its own rendezvous port), all started together. For the checks whose
+    process only starts and refuses (a bad flag, a bad file): each spends its ~3.5 s importing torch on
+    one core, so on two cores they take half the time one after another would; two small independent
+    trainings overlap in their imports, start-up, waits and exits. Output goes to files (a full pipe
+    nobody reads would stall a process)."""
     import tempfile
+
+    ports: set[int] = set()
+
+    def new_port() -> int:  # two launchers started together must not draw the same free port
+        while (p := free_port()) in ports:
+            pass
+        ports.add(p)
+        return p
 
     with tempfile.TemporaryDirectory() as tmp:
         started = {}
-        for i, (key, (script, args)) in enumerate(jobs.items()):
+        for i, (key, (script, args, *launch)) in enumerate(jobs.items()):
+            launch = launch[0] if launch else {}
             out, err = open(os.path.join(tmp, f"{i}.out"), "w+"), open(os.path.join(tmp, f"{i}.err"), "w+")
-            cmd = [sys.executable, script, *args]
-            started[key] = (cmd, subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=out, stderr=err, text=True),
-                            out, err)
+            launcher = launch.get("launcher", "python")
+            head = launcher_cmd(launcher, launch.get("nproc", 1), new_port() if launcher != "python" else None)
+            cmd = [*head, *launch.get("launcher_args", []), script, *args]
+            started[key] = (cmd, subprocess.Popen(cmd, cwd=ROOT, env=clean_env(launch.get("env")), stdout=out,
+                                                  stderr=err, text=True), out, err)
         done = {}
         try:
             for key, (cmd, proc, out, err) in started.items():

@@ -104,6 +104,24 @@ def test_cpu_peak_is_the_best_gemm_size(monkeypatch):
     assert flops_mod.cpu_gemm_tflops(budget_s=10.0) == pytest.approx(0.2)
 
 
+def test_cpu_peak_probe_starts_no_size_that_would_end_past_its_budget(monkeypatch):
+    """Every launch pays for the probe: at 0.186 TFLOP/s (2 EPYC cores) a 2048 GEMM's 4 calls take 0.37 s,
+    past the 0.2 s budget, and were started anyway (0.4-0.6 s a launch). At 3 TFLOP/s (a large CPU) they
+    fit and run: the peak of big CPUs still needs the big sizes."""
+    for rate, sizes in ((0.186, [256, 512, 1024]), (3.0, [256, 512, 1024, 2048])):
+        now, seen = [0.0], []
+
+        def mm(a, b, rate=rate):
+            n = a.shape[0]
+            seen.append(n)
+            now[0] += 2 * n ** 3 / (rate * 1e12)
+
+        monkeypatch.setattr(flops_mod.time, "perf_counter", lambda now=now: now[0])
+        monkeypatch.setattr(flops_mod.torch, "mm", mm)
+        assert flops_mod.cpu_gemm_tflops(budget_s=0.2) == pytest.approx(rate)
+        assert sorted(set(seen)) == sizes, rate
+
+
 def test_an_mfu_above_one_says_why():
     row = Flops.__new__(Flops)
     row.run_device, row.throughput, row.flops_per_img, row.peak = torch.device("cpu"), lambda: 100.0, 2e9, 0.1

@@ -248,18 +248,21 @@ def test_compile_time_kept_apart_and_same_training(tmp_path):
     assert abs(float(a["train_loss"]) - float(b["train_loss"])) < 1e-4
 
 
-@pytest.mark.parametrize("poisoned, skipped", [("3", 1), ("1,2,3,4", 4)])
-def test_deepspeed_bf16_counts_the_steps_it_skips(tmp_path, poisoned, skipped):
+def test_deepspeed_bf16_counts_the_steps_it_skips(tmp_path):
     """DeepSpeed skips a bf16 (or fp32) step whose gradients are not finite as it does an fp16 one
     (engine.py: skipped_steps += 1 whenever the optimizer reports overflow): the row counts them, and
-    when every timed step was skipped the empty model state says why."""
-    args = tiny_args(tmp_path, precision="bf16", model=HALF_MODEL, **half_size("bf16"))
-    check_ok(run("tests/twins/nonfinite_grad.py", ["pytorch_DeepSpeed.py"] + args, nproc=2, launcher="torchrun",
-                 env={"NONFINITE_AT": poisoned}))
-    (row,) = rows(tmp_path / "summary.csv")
-    assert row["status"] == "ok" and row["precision"] == "ds_bf16", row
-    assert int(row["skipped_steps"]) == skipped, row["skipped_steps"]
-    if skipped == 4:  # every step skipped: no update for the model-state walk to measure
-        assert row["model_state_gib"] == "" and "no optimizer update" in row["notes"], row["notes"]
-    else:
-        assert float(row["model_state_gib"]) > 0 and "model_state_gib" not in row["notes"], row["notes"]
+    when every timed step was skipped the empty model state says why. Step 3 poisoned, and all 4: the
+    two runs at once."""
+    cases = {"3": 1, "1,2,3,4": 4}
+    got = run_at_once({p: ("tests/twins/nonfinite_grad.py", ["pytorch_DeepSpeed.py"] + tiny_args(
+        tmp_path / str(n), precision="bf16", model=HALF_MODEL, **half_size("bf16")),
+        {"launcher": "torchrun", "nproc": 2, "env": {"NONFINITE_AT": p}}) for p, n in cases.items()})
+    for poisoned, skipped in cases.items():
+        check_ok(got[poisoned])
+        (row,) = rows(tmp_path / str(skipped) / "summary.csv")
+        assert row["status"] == "ok" and row["precision"] == "ds_bf16", row
+        assert int(row["skipped_steps"]) == skipped, (poisoned, row["skipped_steps"])
+        if skipped == 4:  # every step skipped: no update for the model-state walk to measure
+            assert row["model_state_gib"] == "" and "no optimizer update" in row["notes"], row["notes"]
+        else:
+            assert float(row["model_state_gib"]) > 0 and "model_state_gib" not in row["notes"], row["notes"]

@@ -40,25 +40,12 @@ def benchmark(c: Cluster, tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_ddp_through_the_torchrun_template_on_two_nodes(cluster, tmp_path):
-    log = tmp_path / "job.log"
-    proc = subprocess.run(["sbatch", "--wait", "--nodes=2", f"--output={log}", "slurm/torchrun.sbatch",
-                           "pytorch_DDP.py", *tiny_args(tmp_path)], cwd=ROOT,
-                          env={**slurm_env(cluster), "RDZV_PORT": str(free_port())},
-                          capture_output=True, text=True, timeout=300)
-    text = log.read_text() if log.exists() else ""
-    assert proc.returncode == 0, (proc.stderr, text[-4000:])
-    assert "2 nodes x 1 processes" in text
-    (row,) = rows(tmp_path / "summary.csv")
-    assert row["status"] == "ok" and row["world_size"] == "2" and row["restarts"] == "0", row
-    assert int(row["test_samples"]) == 37  # an odd count over 2 ranks: every sample once, none dropped or doubled
-
-
-@pytest.mark.slow
 def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
     """The smoke preset's two scripts of torchrun and deepspeed, cut to TINY's 4 steps (the job files and
     their launchers are the subject, not the training), and a job that fails (an unknown model): it
-    becomes a failed row with the script's own error, and the matrix goes on."""
+    becomes a failed row with the script's own error, and the matrix goes on. The DDP job runs
+    slurm/torchrun.sbatch on 2 nodes, as `sbatch slurm/torchrun.sbatch pytorch_DDP.py` does (whose own
+    #SBATCH lines sbatch --test-only checks here, without a second training job)."""
     results, matrix = tmp_path / "summary.csv", tmp_path / "m.yaml"
     args = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in TINY.items()
                      if k != "device")
@@ -73,6 +60,14 @@ def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
     assert crash["status"] == "failed" and crash["world_size"] == "2", crash
     assert crash["error"].startswith("pytorch_DDP.py: error: ") and "no_such_model" in crash["error"], crash
     assert all(r["status"] == "ok" and r["world_size"] == "2" for r in got.values()), got
+    ddp = got["smoke/pytorch_DDP"]
+    assert ddp["restarts"] == "0" and int(ddp["test_samples"]) == 37  # odd over 2 ranks: every sample once
+    (log,) = (tmp_path / "slurm" / "logs").glob("smoke__pytorch_DDP-*.log")
+    assert "2 nodes x 1 processes" in log.read_text()
+    for template in ("slurm/torchrun.sbatch", "slurm/accelerate.sbatch"):
+        check = subprocess.run(["sbatch", "--test-only", template], cwd=ROOT, env=slurm_env(cluster),
+                               capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0 and "to start at" in check.stderr, (template, check.stderr)
     assert (tmp_path / "slurm" / "smoke__pytorch_DDP.sbatch").exists()
     # --save-dir reached the job, as the root of its own folder (--resume auto never sees another job's)
     assert len(list(tmp_path.glob("ckpt/job*/pytorch_DeepSpeed/model_final.pt"))) == 1

@@ -604,6 +604,48 @@ def test_calibration_lookup_exact_scaled_and_refused():
     assert find_compute(data, "CPU X", "resnet18", 32, 8, "fp32", "sgd", 1, 2)[0] is None
 
 
+def test_an_nchw_entry_never_prices_a_channels_last_run():
+    data = {"device_name": "G", "compute": {key("resnet50", 224, 128, "amp_bf16", "sgd", 1, 1): {
+        "fwd_ms": 18.0, "bwd_ms": 36.0, "opt_ms": 0.4}}}
+    got, why = find_compute(data, "G", "resnet50", 224, 256, "amp_bf16", "sgd", 1, 1, channels_last=True)
+    assert got is None and "cl1" in why
+
+
+def test_calibrate_gives_the_presets_channels_last_runs_their_own_entry(tmp_path):
+    """The throughput preset's amp_bf16_fast (channels-last, batch 256) had no pred_step_ms on an H200:
+    calibrate measured NCHW only. Each single-device run of the preset in channels-last whose mode is
+    calibrated gets an entry at its own batch; a run at the preset's batch takes calibrate's."""
+    from types import SimpleNamespace
+
+    from common.bench.calibrate import _channels_last_setups, _run_args
+    from common.config import to_flags
+
+    m = tmp_path / "m.yaml"
+    m.write_text("""presets:
+  p:
+    args: {batch_size: 128, channels_last: false}
+    runs:
+      - {name: amp_fast, script: pytorch_auto_mixed_precision.py, args: {precision: bf16, channels_last: true,
+         batch_size: 256}}
+      - {name: amp, script: pytorch_auto_mixed_precision.py, args: {precision: bf16}}
+      - {name: tf32_nhwc, script: pytorch_SingleGPU.py, args: {tf32: true, channels_last: true}}
+      - {name: half_nhwc, script: pytorch_half_precision.py, args: {precision: bf16, channels_last: true}}
+      - {name: ddp_nhwc, script: pytorch_DDP.py, args: {channels_last: true}}
+""")
+    opts = SimpleNamespace(matrix=str(m), preset="p")
+    modes = ["fp32", "tf32", "amp_bf16"]
+    # on CUDA the --tf32 run is the tf32 mode; the pure bf16 one is not among the modes; DDP is no single device
+    assert _channels_last_setups(opts, 64, modes, cuda=True) == [("amp_bf16", 256), ("tf32", 64)]
+    # on a CPU --tf32 changes no kernel: the fp32 entry prices it
+    assert _channels_last_setups(opts, 64, modes, cuda=False) == [("amp_bf16", 256), ("fp32", 64)]
+    assert _channels_last_setups(opts, 64, ["pure_bf16"], cuda=False) == [("pure_bf16", 64)]
+    assert _channels_last_setups(opts, 64, ["fp32"], cuda=False) == [("fp32", 64)]
+    # the entry's launch runs in channels-last, as its key says
+    spec = {"model": "resnet18", "image_size": 32, "batch": 8, "optimizer": "sgd", "device": "cpu", "steps": 2}
+    assert "--channels-last" in to_flags(_run_args({**spec, "channels_last": True}))
+    assert "--no-channels-last" in to_flags(_run_args(spec))
+
+
 def test_a_strategys_own_calibration_comes_first(tmp_path, monkeypatch):
     """A DDP run reads the entry of DDP run on one process (its own host work) before the plain model's;
     a strategy calibrate did not run falls back to the plain entry."""
@@ -934,8 +976,10 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
     from helpers import ROOT, check_ok, clean_env, rows, run, tiny_args
 
     cal, matrix = tmp_path / "cal.json", tmp_path / "m.yaml"
+    # and a single-device run in channels-last at its own batch: an entry of its own, at world 1 only
     matrix.write_text("presets:\n  t:\n    args: {optimizer: sgd}\n    runs: [{script: pytorch_DDP.py}, "
-                      "{script: pytorch_PP.py}]\n")
+                      "{script: pytorch_PP.py}, {name: nhwc, script: pytorch_SingleGPU.py, "
+                      "args: {channels_last: true, batch_size: 8}}]\n")
     proc = subprocess.run([sys.executable, "benchmark.py", "calibrate", "--preset", "t", "--matrix", str(matrix),
                            "--model", "resnet18", "--image-size", "32",
                            "--batch-size", "16", "--world-sizes", "1,2", "--microbatches", "2", "--steps", "2",
@@ -948,7 +992,8 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
     assert set(data["compute"]) == {key("resnet18", 32, 16, "fp32", "sgd", 1, 1),
                                     key("resnet18", 32, 16, "fp32@ddp", "sgd", 1, 1),
                                     key("resnet18", 32, 8, "fp32", "sgd", 2, 1),
-                                    key("resnet18", 32, 8, "fp32@ddp", "sgd", 2, 1)}
+                                    key("resnet18", 32, 8, "fp32@ddp", "sgd", 2, 1),
+                                    key("resnet18", 32, 8, "fp32", "sgd", 1, 1, channels_last=True)}
     assert {"all_reduce", "all_gather", "reduce_scatter", "broadcast"} <= set(data["links"]["2"])
     assert list(data["meets"]) == ["2"] and data["meets"]["2"] >= 0  # collectives.py --meet, at 2 ranks only
     # the two processes' least wait in lockstep (each meeting is a store round trip: never 0); one has none
@@ -958,8 +1003,12 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
     (pieces,) = data["pieces"].values()
     assert list(data["pieces"]) == [key("resnet18", 32, 8, "fp32", "-", 1, 1)]
     assert len(pieces) == 4 and all(f > 0 and b > 0 for f, b in pieces), pieces
-    check_ok(run("pytorch_SingleGPU.py", tiny_args(tmp_path, calibration=str(cal))))
+    # the channels-last run is priced from its own entry: an NCHW one never prices it (the key's cl)
+    check_ok(run("pytorch_SingleGPU.py", tiny_args(tmp_path, calibration=str(cal), channels_last=True, batch_size=8)))
     (row,) = rows(tmp_path / "summary.csv")
+    assert row["pred_step_ms"], row["notes"]
+    entry = data["compute"][key("resnet18", 32, 8, "fp32", "sgd", 1, 1, channels_last=True)]
+    assert float(row["pred_compute_ms"]) == pytest.approx(entry["fwd_ms"] + entry["bwd_ms"], abs=0.01)
     pred, measured = float(row["pred_step_ms"]), float(row["step_ms_p50"])
     assert pred > 0 and float(row["pred_time_error_pct"]) == pytest.approx(100 * (pred - measured) / measured, abs=0.05)
     # its components beside the measured ones: one process has no communication, and they add up

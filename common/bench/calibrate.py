@@ -61,6 +61,8 @@ def add_args(p) -> None:
                    "all-reduces and all-gathers them whole: resnet18's 45 MB, 64M; resnet50's 102 MB, 128M)")
     p.add_argument("--link-min-bytes", default="256", help="smallest collective message timed (default 256: a "
                    "BatchNorm's weights, which DDP+ZeRO broadcasts one by one; sizes double up to the largest)")
+    p.add_argument("--channels-last", action="store_true", help="also each mode in channels-last (NHWC) at every "
+                   "micro-batch; the preset's single-device runs with channels_last get theirs without it")
     p.add_argument("--no-strategies", action="store_true", help="skip the distributed runs of the preset on one "
                    "process (each strategy's own host work; fp32)")
     p.add_argument("--out", default=os.path.join("results", "calibration.json"), help="the calibration file")
@@ -125,7 +127,8 @@ def _run_args(spec: dict) -> dict:
     return {"device": spec["device"], "dataset": "synthetic", "pretrained": False, "model": spec["model"],
             "image_size": spec["image_size"], "batch_size": b, "optimizer": spec["optimizer"], "epochs": 1,
             "train_samples": b * (warmup + spec["steps"]), "test_samples": b, "workers": 0, "warmup_steps": 0,
-            "log_every": 0, "timing_warmup_steps": warmup, "loader_probe_batches": 0, "epoch_checkpoints": False}
+            "log_every": 0, "timing_warmup_steps": warmup, "loader_probe_batches": 0, "epoch_checkpoints": False,
+            "channels_last": bool(spec.get("channels_last"))}
 
 
 def _concurrent(cmds: list[list[str]], threads: int, what: str) -> tuple[dict, dict]:
@@ -228,6 +231,37 @@ def _strategy_runs(opts, spec: dict, n: int, gpus: int, threads: int, procs: int
         cmds = [command(run, gpus, os.devnull)[0] for _ in range(procs)]  # --results, --save-dir follow
         what = f"{run['name']} at 1 process"
         out.append((run["name"], lambda cmds=cmds, what=what: _concurrent(cmds, threads, what)))
+    return out
+
+
+def _channels_last_setups(opts, batch: int, modes: list[str], cuda: bool) -> list[tuple[str, int]]:
+    """(mode, batch) of the preset's single-device runs in channels-last whose mode is among `modes`: the
+    throughput preset's amp_bf16_fast (channels-last, its own batch of 256). The memory format changes
+    which kernels run, so an NCHW entry never prices such a run (calibration.find_compute matches the key's
+    cl), and without an entry of its own it gets no pred_step_ms. A run's own batch is kept; one that
+    takes the preset's gets calibrate's (--batch-size)."""
+    import torch
+    import yaml
+
+    from ..measure.calibration import compute_mode
+    from ..registry import BY_FILE
+    from .matrix import load_matrix
+
+    with open(opts.matrix) as fh:
+        preset_batch = yaml.safe_load(fh)["presets"][opts.preset].get("args", {}).get("batch_size")
+    out = []
+    for run in load_matrix(opts.matrix, opts.preset, None, torch.cuda.device_count() if cuda else 0):
+        args = run["args"]
+        if not args.get("channels_last") or run["script"] not in {s for s, _ in SCRIPT.values()}:
+            continue
+        if run["gpu_only"] and not cuda:
+            continue
+        strategy = "half" if run["script"] == "pytorch_half_precision.py" else "single"
+        precision = str(args.get("precision") or BY_FILE[run["script"]].precisions[0])
+        mode = compute_mode(strategy, precision, cuda and bool(args.get("tf32")))
+        b = int(args["batch_size"]) if args.get("batch_size") not in (None, preset_batch) else batch
+        if mode in modes and SCRIPT[mode][0] == run["script"] and (mode, b) not in out:
+            out.append((mode, b))
     return out
 
 
@@ -444,13 +478,17 @@ def calibrate(opts) -> int:
         # launches minutes apart take the median of the state the runs will see
         early = [_collectives(n, device.type, threads, max_bytes, min_bytes)] if n > 1 and opts.repeats > 1 else []
         micro = {max(1, batch // n)} | ({max(1, batch // opts.microbatches)} if opts.microbatches and n > 1 else set())
+        setups = [(mode, b, False) for mode in modes for b in sorted(micro)]
+        setups += [(mode, b, True) for mode in modes for b in sorted(micro) if opts.channels_last]
+        if n == 1:
+            setups += [(mode, b, True) for mode, b in _channels_last_setups(opts, batch, modes, cuda)
+                       if (mode, b, True) not in setups]
         jobs = []  # (name, draw, optional): the plain compute's entries, then each strategy's on one process
-        for mode in modes:
-            for b in sorted(micro):
-                spec = {"model": model, "image_size": image, "batch": b, "mode": mode, "optimizer": optimizer,
-                        "device": device.type, "steps": opts.steps}
-                jobs.append((key(model, image, b, mode, optimizer, procs, threads), _spawn(spec, procs, threads),
-                             False))
+        for mode, b, cl in setups:
+            spec = {"model": model, "image_size": image, "batch": b, "mode": mode, "optimizer": optimizer,
+                    "device": device.type, "steps": opts.steps, "channels_last": cl}
+            jobs.append((key(model, image, b, mode, optimizer, procs, threads, cl), _spawn(spec, procs, threads),
+                         False))
         strategies = {}  # a strategy run's name -> (mode, micro-batch) of its entry, fp32@<strategy>
         if not opts.no_strategies:  # at 1 too: a --world-sizes 1,2 run's first point is the script alone
             for mode in [m for m in modes if m == "fp32"]:

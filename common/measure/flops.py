@@ -127,8 +127,9 @@ def cpu_gemm_tflops(dtype: torch.dtype = torch.float32, budget_s: float = 0.2,
                     agree: Callable[[bool], bool] = lambda stop: stop) -> float:
     """This process's best matmul rate on CPU, TFLOP/s: n x n torch.mm in `dtype` with
     torch.get_num_threads() threads, each size warmed up once and then timed best-of-3 or more,
-    over the sizes of GEMM_SIZES until budget_s is spent (a size whose 4 calls would take more than
-    3 x budget_s at the best rate yet is not started), the best size kept (one size is not the
+    over the sizes of GEMM_SIZES until budget_s is spent (a size whose 4 calls at the best rate yet
+    would end past budget_s is not started: every launch pays for the probe, and on 2 cores a 2048
+    GEMM's 4 calls took 0.4 s, twice the budget, for a rate below the 1024's), the best size kept (one size is not the
     peak: a 1024 GEMM ran at 0.085 TFLOP/s where a 512 one, in cache, ran at 0.18, on 2 EPYC cores).
     CPUs have no datasheet figure that PyTorch reaches (turbo, AVX clocks, the BLAS), so the peak is
     measured like this; every rank probes at the same time (after a barrier), so ranks sharing cores
@@ -146,10 +147,11 @@ def cpu_gemm_tflops(dtype: torch.dtype = torch.float32, budget_s: float = 0.2,
             torch.mm(a, b)
             best, reps = min(best, time.perf_counter() - t0), reps + 1
         best_rate = max(best_rate, 2 * n ** 3 / best / 1e12)
-        # past the budget, or the next size's 4 calls at the best rate yet would overrun it by far
-        # (reference bf16 kernels: 3 GFLOP/s, 3 s for a 1024 GEMM's warm-up and 3 repetitions)
+        # past the budget, or the next size's 4 calls at the best rate yet would end past it (reference
+        # bf16 kernels: 3 GFLOP/s, 3 s for a 1024 GEMM's warm-up and 3 repetitions)
         # `agree`: ranks sharing cores stop together (any rank's stop), so that none probes a size alone
-        if agree(time.perf_counter() - start > budget_s or 4 * 16 * n ** 3 / (best_rate * 1e12) > 3 * budget_s):
+        spent = time.perf_counter() - start
+        if agree(spent > budget_s or spent + 4 * 16 * n ** 3 / (best_rate * 1e12) > budget_s):
             break
     return best_rate
 
