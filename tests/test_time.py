@@ -635,11 +635,11 @@ def test_calibrate_gives_the_presets_channels_last_runs_their_own_entry(tmp_path
     opts = SimpleNamespace(matrix=str(m), preset="p")
     modes = ["fp32", "tf32", "amp_bf16"]
     # on CUDA the --tf32 run is the tf32 mode; the pure bf16 one is not among the modes; DDP is no single device
-    assert _channels_last_setups(opts, 64, modes, cuda=True) == [("amp_bf16", 256), ("tf32", 64)]
+    assert _channels_last_setups(opts, 128, 64, modes, cuda=True) == [("amp_bf16", 256), ("tf32", 64)]
     # on a CPU --tf32 changes no kernel: the fp32 entry prices it
-    assert _channels_last_setups(opts, 64, modes, cuda=False) == [("amp_bf16", 256), ("fp32", 64)]
-    assert _channels_last_setups(opts, 64, ["pure_bf16"], cuda=False) == [("pure_bf16", 64)]
-    assert _channels_last_setups(opts, 64, ["fp32"], cuda=False) == [("fp32", 64)]
+    assert _channels_last_setups(opts, 128, 64, modes, cuda=False) == [("amp_bf16", 256), ("fp32", 64)]
+    assert _channels_last_setups(opts, 128, 64, ["pure_bf16"], cuda=False) == [("pure_bf16", 64)]
+    assert _channels_last_setups(opts, 128, 64, ["fp32"], cuda=False) == [("fp32", 64)]
     # the entry's launch runs in channels-last, as its key says
     spec = {"model": "resnet18", "image_size": 32, "batch": 8, "optimizer": "sgd", "device": "cpu", "steps": 2}
     assert "--channels-last" in to_flags(_run_args({**spec, "channels_last": True}))

@@ -234,21 +234,18 @@ def _strategy_runs(opts, spec: dict, n: int, gpus: int, threads: int, procs: int
     return out
 
 
-def _channels_last_setups(opts, batch: int, modes: list[str], cuda: bool) -> list[tuple[str, int]]:
+def _channels_last_setups(opts, preset_batch, batch: int, modes: list[str], cuda: bool) -> list[tuple[str, int]]:
     """(mode, batch) of the preset's single-device runs in channels-last whose mode is among `modes`: the
     throughput preset's amp_bf16_fast (channels-last, its own batch of 256). The memory format changes
     which kernels run, so an NCHW entry never prices such a run (calibration.find_compute matches the key's
     cl), and without an entry of its own it gets no pred_step_ms. A run's own batch is kept; one that
     takes the preset's gets calibrate's (--batch-size)."""
     import torch
-    import yaml
 
     from ..measure.calibration import compute_mode
     from ..registry import BY_FILE
     from .matrix import load_matrix
 
-    with open(opts.matrix) as fh:
-        preset_batch = yaml.safe_load(fh)["presets"][opts.preset].get("args", {}).get("batch_size")
     out = []
     for run in load_matrix(opts.matrix, opts.preset, None, torch.cuda.device_count() if cuda else 0):
         args = run["args"]
@@ -481,8 +478,8 @@ def calibrate(opts) -> int:
         setups = [(mode, b, False) for mode in modes for b in sorted(micro)]
         setups += [(mode, b, True) for mode in modes for b in sorted(micro) if opts.channels_last]
         if n == 1:
-            setups += [(mode, b, True) for mode, b in _channels_last_setups(opts, batch, modes, cuda)
-                       if (mode, b, True) not in setups]
+            own = _channels_last_setups(opts, args.get("batch_size"), batch, modes, cuda)
+            setups += [(mode, b, True) for mode, b in own if (mode, b, True) not in setups]
         jobs = []  # (name, draw, optional): the plain compute's entries, then each strategy's on one process
         for mode, b, cl in setups:
             spec = {"model": model, "image_size": image, "batch": b, "mode": mode, "optimizer": optimizer,
