@@ -133,3 +133,17 @@ def test_report_sets_the_bubble_beside_the_textbook(tmp_path):
 
 def test_pipeline_bytes_of_resnet18():
     assert pp_bytes_per_step("resnet18", 32, 16) == 2 * 16 * 256 * 2 * 2 * 4  # layer3's output, fp32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pytorch_PP-fp32", "pytorch_PP-fp32-1f1b"])
+def test_a_pipeline_ranks_exposed_communication_fits_in_its_idle_time(launched, name):
+    """What a rank does outside its pieces' forward and backward (the bubble instrument's idle time) holds
+    its exposed communication, data, optimizer and the rest; the busiest-idle lane's share bounds the ranks'
+    mean. gloo records a pipeline's send on the issuing thread, from issue to wait, over the stage's next
+    forwards: taking that thread for a gloo worker (whose ops are not compute) counted GPipe's forwards
+    as exposed (the 64 px grid of 2026-11-26: 187 ms exposed against a 50% idle share of 330 ms)."""
+    row = launched(name).row
+    idle = float(row["pipeline_bubble_pct"]) / 100 * float(row["step_ms_mean"])
+    outside = sum(float(row[f"step_{p}_ms"]) for p in ("comm_exposed", "data", "optimizer", "other"))
+    assert float(row["step_comm_exposed_ms"]) > 0 and outside <= 1.05 * idle, (outside, idle)

@@ -19,7 +19,8 @@ Columns, per optimizer step and per rank, mean over ranks:
                        of the call, else the world size).
   comm_calls_per_step  backend collectives issued.
   comm_ms_per_step     wall time with at least one collective in flight: on CPU the gloo worker
-                       threads' spans, on GPU the NCCL kernels' (the CPU-side nccl event only enqueues).
+                       threads' spans (a send's or receive's: from its issue to its wait, on the issuing
+                       thread), on GPU the NCCL kernels' (the CPU-side nccl event only enqueues).
                        It includes waiting for the slowest rank to arrive, as nccl-tests' timing does.
   busbw_gbps           sum(S x bus factor) / comm time, GB/s (1e9): factors 2(n-1)/n all-reduce,
                        (n-1)/n all-gather, reduce-scatter and all-to-all, 1 broadcast and reduce.
@@ -214,7 +215,13 @@ def analyze(events, n: int, steps: int) -> dict:
             bus_bytes += size * bus_factor(kind, group)
             if backend == "gloo":
                 cpu_comm.append(span)
-                threads.add(e.start_thread_id())
+                # A collective's event is its worker thread's run; a send's or a receive's is the caller's
+                # own: SendWork and RecvWork pass "gloo:send"/"gloo:recv" to the Work constructor, which
+                # opens the range on the issuing (training) thread, and wait() closes it
+                # (ProcessGroupGloo.cpp, SendWork::wait -> finishAndThrow). So a pipeline's send spans the
+                # stage's next forward: that thread's ops stay compute, and only its wait is exposed.
+                if kind not in ("send", "recv"):
+                    threads.add(e.start_thread_id())
         elif name.startswith("aten::") and "wait" not in name:
             cpu_ops.append((e.start_thread_id(), span))
         elif backend == "c10d" and "barrier" not in op and "wait" not in op:
