@@ -70,12 +70,18 @@ def test_analyze_leaves_the_harness_collectives_out():
     assert analyze([strategy, *harness[1:]], n=2, steps=1)["comm_calls_per_step"] == 2.0  # no range: counted
 
 
-def ddp_calls_per_step(buckets: int, steps: int, rebuild_in_window: bool) -> float:
-    """pytorch_DDP.py's collectives per profiled step: one all-reduce per gradient bucket and one
-    broadcast per buffer dtype (BatchNorm's float statistics, its int64 batch counts: DDP's
-    broadcast_buffers=True before every forward), plus, once, the two broadcasts of the rebuilt bucket
-    order (sizes, indices) in the second iteration's forward (Reducer::sync_bucket_indices)."""
-    return buckets + 2 + (2 / steps if rebuild_in_window else 0)
+def ddp_calls_per_step(steps: int, rebuild_in_window: bool) -> float:
+    """pytorch_DDP.py's collectives per profiled step (resnet18): what the step model prices, one all-reduce
+    per gradient bucket and one broadcast per buffer dtype (BatchNorm's float statistics, its int64 batch
+    counts: DDP's broadcast_buffers=True before every forward), plus, once, the two broadcasts of the
+    rebuilt bucket order (sizes, indices) in the second iteration's forward (Reducer::sync_bucket_indices),
+    which it leaves out."""
+    from common.measure.memory import Setup
+    from common.measure.timemodel import Compute, Link, predict_step
+
+    ddp = Setup(model="resnet18", image_size=32, batch_size=16, world_size=2, strategy="ddp")
+    calls = predict_step(ddp, Compute(10.0, 20.0, 5.0), Link(), overlap=False).calls
+    return calls + (2 / steps if rebuild_in_window else 0)
 
 
 @pytest.mark.slow
@@ -87,8 +93,8 @@ def test_ddp_calls_per_step_do_not_change_with_log_every(launched):
     from test_guards import ddp_buckets
 
     quiet, logged = launched("pytorch_DDP-fp32").row, launched("pytorch_DDP-fp32-log1").row
-    buckets = ddp_buckets(torchvision.models.resnet18(num_classes=10))
-    want = round(ddp_calls_per_step(buckets, 3, rebuild_in_window=True), 3)
+    assert ddp_buckets(torchvision.models.resnet18(num_classes=10)) + 2 == ddp_calls_per_step(3, False)
+    want = round(ddp_calls_per_step(3, rebuild_in_window=True), 3)
     assert float(quiet["comm_calls_per_step"]) == float(logged["comm_calls_per_step"]) == want == 5.667
 
 

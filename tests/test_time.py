@@ -308,16 +308,16 @@ def test_ranks_that_vary_wait_at_their_synchronizing_collective():
 
 def test_each_meeting_of_the_ranks_costs_the_links_meet_ms_once():
     """Link.meet_ms per run of collectives a rank issues at one point of its compute. resnet18's
-    gradients: DDP's 3 buckets ready at 3 units (3), + ZeRO's broadcasts back to back after the optimizer
-    (4); FSDP shard-grad-op: the root's and 8 blocks' gathers, each before its forward, and 9 reduce-
-    scatters, each after its backward (18); full-shard adds the backward's first gather, the others
-    prefetched beside a reduce-scatter (19); ZeRO-3: one coalesced gather of every weight above 1e5
-    elements as the forward starts (the stem's, layer1's, the norms' and the head's are persistent), one
-    bucket of gradients reduce-scattered after the backward, the norm, the persistent weights' 50 gathers
-    after the step, issued back to back (4);
-    ZeRO-1/2: the buckets after the backward, the norm, the gather after the optimizer (3). One process meets nobody."""
+    gradients: DDP's 3 buckets ready at 3 units and its buffer broadcast before the forward (4), + ZeRO's
+    broadcasts back to back after the optimizer (5); FSDP shard-grad-op: the root's and 8 blocks'
+    gathers, each before its forward, and 9 reduce-scatters, each after its backward (18); full-shard adds
+    the backward's first gather, the others prefetched beside a reduce-scatter (19); ZeRO-3: one coalesced
+    gather of every weight above 1e5 elements as the forward starts (the stem's, layer1's, the norms' and
+    the head's are persistent), one bucket of gradients reduce-scattered after the backward, the norm, the
+    persistent weights' 50 gathers after the step, issued back to back (4); ZeRO-1/2: the buckets after
+    the backward, the norm, the gather after the optimizer (3). One process meets nobody."""
     met = dataclasses.replace(FAST, meet_ms=1.0)
-    want = {"ddp": 3, "accelerate_ddp": 3, "ddp_zero": 4, "fsdp_shard-grad-op": 18, "fsdp_full-shard": 19,
+    want = {"ddp": 4, "accelerate_ddp": 4, "ddp_zero": 5, "fsdp_shard-grad-op": 18, "fsdp_full-shard": 19,
             "deepspeed_zero3": 4, "deepspeed_zero1": 3, "deepspeed_zero2": 3, "dp": 0}
     for st, meetings in want.items():
         a, b = (predict_step(setup(st), C, link, overlap=False) for link in (FAST, met))
@@ -328,6 +328,29 @@ def test_each_meeting_of_the_ranks_costs_the_links_meet_ms_once():
     links = {"2": {"all_reduce": {"latency_us": 10.0, "busbw_gbps": 1.0, "points": []}}}
     assert find_link({"links": links, "meets": {"2": 1.25}}, 2).meet_ms == 1.25
     assert find_link({"links": links}, 2).meet_ms == 0.0  # a calibration from before the meetings: none
+
+
+def test_ddp_broadcasts_its_buffers_before_the_forward():
+    """DDP broadcasts rank 0's buffers before each forward (broadcast_buffers=True), one call per dtype:
+    resnet18's 9,600 BatchNorm statistics (38,400 B) and 20 int64 batch counts, exposed; a ViT has no
+    buffers. DDP+ZeRO runs DDP underneath; FSDP and DeepSpeed broadcast none."""
+    from common.measure.timemodel import buffer_groups
+
+    assert buffer_groups("resnet18", 32) == (38400, 160) and buffer_groups("vit_b_16", 224) == ()
+    fast = Link({"all_reduce": 10.0, "broadcast": 10.0}, {"all_reduce": 50.0, "broadcast": 100.0})
+    slow = dataclasses.replace(fast, busbw_gbps={"all_reduce": 10.0, "broadcast": 0.01})  # 10 MB/s
+    extra = (38400 + 160) * (1 / 0.01e9 - 1 / 10e9) * 1e3  # the same 2 latencies in both
+    for st in ("ddp", "accelerate_ddp"):
+        a, b = (predict_step(setup(st), C, link, overlap=True) for link in (fast, slow))
+        assert b.comm_exposed_ms - a.comm_exposed_ms == pytest.approx(extra), st
+        assert a.calls == 3 + 2, st  # 3 gradient buckets and the 2 broadcasts
+    assert predict_step(setup("ddp_zero"), C, fast, overlap=True).calls == 3 + 2 + 62  # + ZeRO's, one a parameter
+    vit = [predict_step(Setup(model="vit_b_16", image_size=32, batch_size=16, world_size=2, strategy="ddp"), C,
+                        link, overlap=True) for link in (fast, slow)]
+    assert vit[0].step_ms == vit[1].step_ms and vit[0].calls == vit[1].calls
+    for st in ("fsdp_full-shard", "deepspeed_zero2", "deepspeed_zero3"):
+        a, b = (predict_step(setup(st), C, link, overlap=True) for link in (fast, slow))
+        assert a.step_ms == b.step_ms and a.calls == b.calls, st
 
 
 def test_each_pipeline_send_is_a_meeting():

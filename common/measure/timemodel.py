@@ -152,8 +152,8 @@ class StepPrediction:
     optimizer_ms: float = 0.0
     comm_ms: float = 0.0  # every collective's time, hidden or not
     # the backend collectives the model prices per rank and step, to set beside the rows' comm_calls_per_step
-    # (which also counts what the model leaves out: DDP's buffer broadcasts); None where it does not count
-    # them (DataParallel, tensor and pipeline parallelism)
+    # (which also counts what the model leaves out: DDP's bucket-order broadcasts in its second step); None
+    # where it does not count them (DataParallel, tensor and pipeline parallelism)
     calls: int | None = None
     notes: list = field(default_factory=list)
 
@@ -244,6 +244,18 @@ class _Schedule:
         return max(self.end, default=0.0)
 
 
+@functools.lru_cache(maxsize=16)
+def buffer_groups(model_name: str, image_size: int) -> tuple[int, ...]:
+    """Bytes of the model's buffers per dtype, in first-seen order: the messages of DDP's buffer broadcast
+    (torch/csrc/distributed/c10d/comm.cpp broadcast_coalesced buckets tensors by type). BatchNorm's float
+    statistics and its int64 batch counts: two for a ResNet, none for a ViT."""
+    model = meta_model(model_name, image_size=image_size)
+    groups: dict = {}
+    for b in model.buffers():
+        groups[b.dtype] = groups.get(b.dtype, 0) + b.numel() * b.element_size()
+    return tuple(groups.values())
+
+
 def _buckets(params: list[tuple[int, int]], elem_bytes: int, first: int, cap: int) -> list[tuple[int, float]]:
     """DDP's assignment: (unit, elements) of every parameter in reverse order, into buckets closed at
     the cap (the first at `first`). Each bucket as (the unit whose backward makes it ready, bytes):
@@ -302,7 +314,7 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     for _ in range(accum - 1):  # micro-batches before the last: no gradient communication (no_sync)
         _forward_backward(s, us, c)
     shard = 1.0
-    post = 0.0  # collectives after the optimizer step, exposed
+    post = 0.0  # collectives outside the backward (before the forward, after the optimizer step), exposed
     post_calls = 0  # the number of those collectives
     meets = 0  # the meetings among them: a run of collectives with compute before it
     if st in ("single", "half", "amp") or n == 1 and st not in ("dp",):
@@ -317,14 +329,21 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
         prev = ()
         for unit, nbytes in _buckets(params, g_bytes, FIRST_BUCKET_BYTES, BUCKET_BYTES):
             prev = (s.add("comm", link.ms("all_reduce", nbytes, n), (bwd[unit], *prev)),)
+        # before every forward that follows a synchronizing backward DDP broadcasts rank 0's buffers
+        # (distributed.py forward -> _sync_buffers with broadcast_buffers=True, the default; under no_sync
+        # only the first micro-batch's: require_forward_param_sync), 250 MiB buckets of one dtype each;
+        # the forward reads them, and the ranks come to them from the loader: a meeting
+        groups = buffer_groups(setup.model, setup.image_size)
+        post += sum(link.ms("broadcast", b, n) for b in groups)
+        post_calls, meets = len(groups), 1 if groups else 0
         if st == "ddp_zero":
             shard = 1.0 / n
             # one per parameter (bus factor 1), issued with async_op=True and waited together
             # (ZeroRedundancyOptimizer._broadcast_params_from_rank): NCCL runs them in order on its stream,
             # gloo on its process group's worker threads (ProcessGroupGloo.hpp Options: threads{2})
-            post = _on_lanes([link.ms("broadcast", x * w_bytes, n) for _, x in params], 1 if overlap else GLOO_THREADS)
-            post_calls = len(params)
-            meets = 1  # issued back to back
+            post += _on_lanes([link.ms("broadcast", x * w_bytes, n) for _, x in params], 1 if overlap else GLOO_THREADS)
+            post_calls += len(params)
+            meets += 1  # issued back to back
     elif st.startswith(("fsdp_full-shard", "fsdp_shard-grad-op", "fsdp_hybrid", "accelerate_fsdp",
                         "deepspeed_zero3", "accelerate_deepspeed_zero3")):
         shard = 1.0 / n
