@@ -171,7 +171,9 @@ def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypa
         assert 50.0 <= waited <= got["step_other_ms"] + 0.01, got
         # what calibrate reads from such notes (never last here: the partner always arrives after it)
         assert _sync_ms([got, got]) == pytest.approx(waited) and "when last" not in got["notes"]
-        assert got["step_optimizer_ms"] < 10.0 and got["step_compute_ms"] < 20.0, got
+        # the partner's 100 ms late arrival is the wait, never these: half of it bounds them, with room for a
+        # loaded machine (TinyNet's compute took 21 ms a step with a benchmark beside it)
+        assert got["step_optimizer_ms"] < 50.0 and got["step_compute_ms"] < 50.0, got
         assert sum(got[c] for c in PARTS) == pytest.approx(got["step_ms_mean"], abs=0.01)
 
 
@@ -331,9 +333,10 @@ def test_each_meeting_of_the_ranks_costs_the_links_meet_ms_once():
 
 
 def test_ddp_broadcasts_its_buffers_before_the_forward():
-    """DDP broadcasts rank 0's buffers before each forward (broadcast_buffers=True), one call per dtype:
-    resnet18's 9,600 BatchNorm statistics (38,400 B) and 20 int64 batch counts, exposed; a ViT has no
-    buffers. DDP+ZeRO runs DDP underneath; FSDP and DeepSpeed broadcast none."""
+    """DDP broadcasts rank 0's buffers before each forward (forward_sync_buffers, on by default), one call
+    per dtype: resnet18's 9,600 BatchNorm statistics (38,400 B) and 20 int64 batch counts, exposed; a ViT
+    has no buffers. DDP+ZeRO runs DDP underneath; FSDP and DeepSpeed (ZeRO-0 included: its engine
+    broadcasts the weights once, at start-up) broadcast none."""
     from common.measure.timemodel import buffer_groups
 
     assert buffer_groups("resnet18", 32) == (38400, 160) and buffer_groups("vit_b_16", 224) == ()
@@ -341,14 +344,15 @@ def test_ddp_broadcasts_its_buffers_before_the_forward():
     slow = dataclasses.replace(fast, busbw_gbps={"all_reduce": 10.0, "broadcast": 0.01})  # 10 MB/s
     extra = (38400 + 160) * (1 / 0.01e9 - 1 / 10e9) * 1e3  # the same 2 latencies in both
     for st in ("ddp", "accelerate_ddp"):
-        a, b = (predict_step(setup(st), C, link, overlap=True) for link in (fast, slow))
-        assert b.comm_exposed_ms - a.comm_exposed_ms == pytest.approx(extra), st
-        assert a.calls == 3 + 2, st  # 3 gradient buckets and the 2 broadcasts
+        for accum in (1, 2):  # under no_sync only the first micro-batch's forward broadcasts
+            a, b = (predict_step(setup(st, grad_accum=accum), C, link, overlap=True) for link in (fast, slow))
+            assert b.comm_exposed_ms - a.comm_exposed_ms == pytest.approx(extra), (st, accum)
+            assert a.calls == 3 + 2, (st, accum)  # 3 gradient buckets and the 2 broadcasts
     assert predict_step(setup("ddp_zero"), C, fast, overlap=True).calls == 3 + 2 + 62  # + ZeRO's, one a parameter
     vit = [predict_step(Setup(model="vit_b_16", image_size=32, batch_size=16, world_size=2, strategy="ddp"), C,
                         link, overlap=True) for link in (fast, slow)]
     assert vit[0].step_ms == vit[1].step_ms and vit[0].calls == vit[1].calls
-    for st in ("fsdp_full-shard", "deepspeed_zero2", "deepspeed_zero3"):
+    for st in ("fsdp_full-shard", "deepspeed_zero0", "deepspeed_zero2", "deepspeed_zero3"):  # not DDP underneath
         a, b = (predict_step(setup(st), C, link, overlap=True) for link in (fast, slow))
         assert a.step_ms == b.step_ms and a.calls == b.calls, st
 

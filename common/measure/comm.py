@@ -53,7 +53,7 @@ KINDS = {
     "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "broadcast": "broadcast", "_broadcast_oop": "broadcast", "reduce": "reduce", "_reduce_oop": "reduce",
     "all_to_all": "all_to_all", "gather": "gather", "gather_single": "gather", "scatter": "scatter",
-    "send": "send", "recv": "recv",
+    "send": "send", "recv": "recv", "recvAnySource": "recv",
 }
 # record_param_comms' dtype names (c10 ScalarType) -> bytes
 PARAM_COMMS_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2,

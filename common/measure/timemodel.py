@@ -329,13 +329,15 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
         prev = ()
         for unit, nbytes in _buckets(params, g_bytes, FIRST_BUCKET_BYTES, BUCKET_BYTES):
             prev = (s.add("comm", link.ms("all_reduce", nbytes, n), (bwd[unit], *prev)),)
-        # before every forward that follows a synchronizing backward DDP broadcasts rank 0's buffers
-        # (distributed.py forward -> _sync_buffers with broadcast_buffers=True, the default; under no_sync
-        # only the first micro-batch's: require_forward_param_sync), 250 MiB buckets of one dtype each;
-        # the forward reads them, and the ranks come to them from the loader: a meeting
-        groups = buffer_groups(setup.model, setup.image_size)
-        post += sum(link.ms("broadcast", b, n) for b in groups)
-        post_calls, meets = len(groups), 1 if groups else 0
+        if st != "deepspeed_zero0":  # DeepSpeed's engine broadcasts the weights once, at start-up only
+            # before every forward that follows a synchronizing backward DDP broadcasts rank 0's buffers
+            # (distributed.py _pre_forward -> _sync_buffers; forward_sync_buffers, formerly broadcast_buffers,
+            # on by default; under no_sync only the first micro-batch's: require_forward_param_sync), in 250
+            # MiB buckets of one dtype each, at most 2 in flight (c10d comm.cpp broadcast_coalesced): gloo's
+            # two threads run them at once. The forward reads them; the ranks come from the loader: a meeting
+            groups = buffer_groups(setup.model, setup.image_size)
+            post += _on_lanes([link.ms("broadcast", b, n) for b in groups], 1 if overlap else GLOO_THREADS)
+            post_calls, meets = len(groups), 1 if groups else 0
         if st == "ddp_zero":
             shard = 1.0 / n
             # one per parameter (bus factor 1), issued with async_op=True and waited together
