@@ -348,6 +348,9 @@ def test_ddp_broadcasts_its_buffers_before_the_forward():
             a, b = (predict_step(setup(st, grad_accum=accum), C, link, overlap=True) for link in (fast, slow))
             assert b.comm_exposed_ms - a.comm_exposed_ms == pytest.approx(extra), (st, accum)
             assert a.calls == 3 + 2, (st, accum)  # 3 gradient buckets and the 2 broadcasts
+    # on gloo (a CPU: no overlap) the two go out together (broadcast_coalesced keeps 2 in flight) on its 2 threads
+    a, b = (predict_step(setup("ddp"), C, link, overlap=False) for link in (fast, slow))
+    assert b.comm_exposed_ms - a.comm_exposed_ms == pytest.approx(38400 * (1 / 0.01e9 - 1 / 10e9) * 1e3)
     assert predict_step(setup("ddp_zero"), C, fast, overlap=True).calls == 3 + 2 + 62  # + ZeRO's, one a parameter
     vit = [predict_step(Setup(model="vit_b_16", image_size=32, batch_size=16, world_size=2, strategy="ddp"), C,
                         link, overlap=True) for link in (fast, slow)]
