@@ -88,6 +88,8 @@ from .memory import DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, ITEMSIZE, Setup, meta_
 FIRST_BUCKET_BYTES = 1024 ** 2  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 BUCKET_BYTES = 25 * 1024 ** 2  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB
 GLOO_THREADS = 2  # ProcessGroupGloo::Options threads{2}: a process group's async work runs on two threads
+# the strategies whose model torch's DistributedDataParallel wraps (and so broadcasts its buffers)
+DDP_WRAPPED = ("ddp", "accelerate_ddp", "ddp_zero")
 # deepspeed/runtime/zero/config.py: max_reuse_distance and param_persistence_threshold's defaults
 DS_REUSE_DISTANCE, DS_PERSISTENCE = 1_000_000_000, 100_000
 
@@ -270,6 +272,12 @@ def _buckets(params: list[tuple[int, int]], elem_bytes: int, first: int, cap: in
     return out + [(min(units_), float(size))] if units_ else out
 
 
+def _issued_together(times: list[float], overlap: bool) -> float:
+    """Collectives issued async and waited together: NCCL runs them in order on its stream, gloo on its
+    process group's worker threads (ProcessGroupGloo.hpp Options: threads{2})."""
+    return _on_lanes(times, 1 if overlap else GLOO_THREADS)
+
+
 def _on_lanes(times: list[float], lanes: int) -> float:
     """The makespan of work queued in order and taken by the first of `lanes` workers to be free."""
     free = [0.0] * max(1, lanes)
@@ -329,21 +337,20 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
         prev = ()
         for unit, nbytes in _buckets(params, g_bytes, FIRST_BUCKET_BYTES, BUCKET_BYTES):
             prev = (s.add("comm", link.ms("all_reduce", nbytes, n), (bwd[unit], *prev)),)
-        if st != "deepspeed_zero0":  # DeepSpeed's engine broadcasts the weights once, at start-up only
+        if st in DDP_WRAPPED:  # not DeepSpeed's ZeRO-0: its engine broadcasts the weights once, at start-up
             # before every forward that follows a synchronizing backward DDP broadcasts rank 0's buffers
             # (distributed.py _pre_forward -> _sync_buffers; forward_sync_buffers, formerly broadcast_buffers,
             # on by default; under no_sync only the first micro-batch's: require_forward_param_sync), in 250
             # MiB buckets of one dtype each, at most 2 in flight (c10d comm.cpp broadcast_coalesced): gloo's
             # two threads run them at once. The forward reads them; the ranks come from the loader: a meeting
             groups = buffer_groups(setup.model, setup.image_size)
-            post += _on_lanes([link.ms("broadcast", b, n) for b in groups], 1 if overlap else GLOO_THREADS)
+            post += _issued_together([link.ms("broadcast", b, n) for b in groups], overlap)
             post_calls, meets = len(groups), 1 if groups else 0
         if st == "ddp_zero":
             shard = 1.0 / n
             # one per parameter (bus factor 1), issued with async_op=True and waited together
-            # (ZeroRedundancyOptimizer._broadcast_params_from_rank): NCCL runs them in order on its stream,
-            # gloo on its process group's worker threads (ProcessGroupGloo.hpp Options: threads{2})
-            post += _on_lanes([link.ms("broadcast", x * w_bytes, n) for _, x in params], 1 if overlap else GLOO_THREADS)
+            # (ZeroRedundancyOptimizer._broadcast_params_from_rank)
+            post += _issued_together([link.ms("broadcast", x * w_bytes, n) for _, x in params], overlap)
             post_calls += len(params)
             meets += 1  # issued back to back
     elif st.startswith(("fsdp_full-shard", "fsdp_shard-grad-op", "fsdp_hybrid", "accelerate_fsdp",
@@ -372,8 +379,7 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
             # in order (partition_parameters.py _allgather_params_coalesced), as DDP+ZeRO's broadcasts
             kept = [x for u in us for x in u.params if x <= persist]
             if kept:
-                lanes = 1 if overlap else GLOO_THREADS
-                post, meets = post + _on_lanes([link.ms("all_gather", x * w_bytes, n) for x in kept], lanes), 2
+                post, meets = post + _issued_together([link.ms("all_gather", x * w_bytes, n) for x in kept], overlap), 2
                 post_calls += len(kept)
             if setup.precision == "fp16":  # stage3.py _overflow_check_and_loss_scale_update: fp16 only
                 post, post_calls = post + link.ms("all_reduce", 4, n), post_calls + 1
