@@ -11,6 +11,7 @@ ROOT = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)
 sys.path.insert(0, ROOT)
 
+import launches  # noqa: E402
 from launches import launched  # noqa: E402,F401  the session's shared end-to-end runs (tests/launches.py)
 
 # Every test runs on this one host, the Slurm "nodes" included: gloo talks over loopback, whatever the
@@ -88,6 +89,9 @@ def pytest_runtest_setup(item):
     if time.time() - STARTED > DEADLINE_S:
         pytest.exit(f"the suite ran past {DEADLINE_S / 60:.0f} minutes (its budget is 20); stopped before "
                     f"{item.nodeid}", returncode=3)
+    launches.RUNNING = item.nodeid
+    if launches.ACTIVE is not None and not item.get_closest_marker("launches"):
+        launches.ACTIVE.drain()  # a shared launch started ahead does not run beside this test's own work
 
 
 def pytest_collection_finish(session):
@@ -180,6 +184,8 @@ def pytest_runtest_protocol(item, nextitem):
         import signal
 
         before = getattr(item, "_procs_before", before)
+        for pid in list(launches.ACTIVE.pids if launches.ACTIVE else ()):  # shared launches the next tests read
+            before |= {pid, *descendants(pid)}
         left = {p: n for p, n in descendants(os.getpid()).items() if p not in before and n not in DAEMONS}
         for pid in left:
             try:

@@ -15,17 +15,28 @@ input, another world size, settings no shared run has.
 Disk: a run's resume checkpoints (twice the model) and DeepSpeed's final shards are deleted once it
 ends; its model_final.pt (~43 MB for resnet18 in fp32, 15 such runs: ~0.7 GB) stays for the tests that
 load it, until the session ends.
+
+Two at a time: a test that reads shared launches says which with `@pytest.mark.launches(...)` (a name of
+CASES, or a template filled from the test's parameters: "{name}", "{entry.name}-{precision}"). While such
+a test's launch runs, the next launch of the tests that follow it, as long as they are marked too, starts
+beside it: a `python` run keeps one core busy (OMP_NUM_THREADS=1, and importing torch is single-threaded),
+and torchrun's own start and exit leave the second core idle, about 18% of a 2-rank launch. A test without
+the marker first waits for those in flight (conftest.py), so that its own launches and timings never
+share the cores with a prefetched one. The checks on shared rows are structural (counts, bytes, sums that
+tile the window), not timings.
 """
 from __future__ import annotations
 
 import shutil
 import subprocess
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import half_size, rows, run, tiny_args
+from helpers import ROOT, clean_env, free_port, half_size, launcher_cmd, rows, tiny_args
 
 from common.registry import BY_FILE, SCRIPTS
 
@@ -100,7 +111,8 @@ def script_case(file: str, precision: str) -> Launch:
         over["deepspeed_config"] = DS_CASES[file][precision]
     twin = ("tests/twins/deepspeed_fp16_on_cpu.py", file) if s.deepspeed_config and precision == "fp16" \
         and not deepspeed_fp16_here() else ()
-    nproc = 1 if not s.distributed else 3 if fp32 and s.max_processes is None and "model" not in s.preset_args else 2
+    nproc = 1 if not s.distributed else \
+        3 if fp32 and s.max_processes is None and "model" not in s.preset_args and not s.needs_cuda else 2
     return Launch(file, precision, tuple(sorted(over.items())), nproc=nproc,
                   launcher="torchrun" if s.distributed else "python", twin=twin)
 
@@ -127,14 +139,28 @@ CASES.update({
     "accelerate_FSDP-twin-bf16": Launch("accelerate_FSDP.py", "bf16", (("clip_grad_norm", 1.0),), 2, "torchrun",
                                         twin=("tests/twins/accelerate_fsdp_on_cpu.py",)),
 })
-CASES.update({name: replace(CASES[base], over=tuple(sorted({**dict(CASES[base].over), **more}.items())))
-              for name, base, more in [
-    # pytorch_DDP-fp32 again with the harness's metric all-reduces in every step
-    ("pytorch_DDP-fp32-log1", "pytorch_DDP-fp32", {"log_every": 1}),
-    # 2 ranks x 2 accumulated micro-batches of 4 (test_equivalence)
-    ("pytorch_DDP-fp32-accum2", "pytorch_DDP-fp32", {"grad_accum": 2}),
+CASES.update({name: replace(CASES[base], over=tuple(sorted({**dict(CASES[base].over), **more}.items())),
+                             nproc=nproc or CASES[base].nproc)
+              for name, base, more, nproc in [
+    # pytorch_DDP-fp32 again with the harness's metric all-reduces in every step (DDP's calls per step do not
+    # depend on the world size: 2 ranks, one import fewer than 3)
+    ("pytorch_DDP-fp32-log1", "pytorch_DDP-fp32", {"log_every": 1}, 2),
+    # 2 ranks x 2 accumulated micro-batches of 3 (test_equivalence)
+    ("pytorch_DDP-fp32-accum2", "pytorch_DDP-fp32", {"grad_accum": 2}, 2),
     # the other schedule and an explicit split (test_equivalence)
-    ("pytorch_PP-fp32-1f1b", "pytorch_PP-fp32", {"schedule": "1f1b", "split": "2,2"}),
+    ("pytorch_PP-fp32-1f1b", "pytorch_PP-fp32", {"schedule": "1f1b", "split": "2,2"}, None),
+]})
+# test_memory's model state at 3 ranks (3 divides none of resnet18's parameter counts: padded, uneven shards)
+# with AdamW's two states, for what test_scripts' fp32 runs do not cover: DDP+ZeRO with AdamW, FSDP's
+# shard-grad-op, DeepSpeed's ZeRO-2 (torchrun: the deepspeed launcher runs in pytorch_DeepSpeed-launcher)
+MODEL_STATE_AT_3 = {"batch_size": 12, "train_samples": 24, "test_samples": 6, "loader_probe_batches": 0,
+                    "epoch_checkpoints": False, "optimizer": "adamw"}
+CASES.update({f"{script[:-3]}-{name}-at3": Launch(script, "fp32", tuple(sorted({**MODEL_STATE_AT_3, **more}.items())),
+                                                  3, "torchrun")
+              for script, name, more in [
+    ("pytorch_DDP_ZeRO.py", "adamw", {}),
+    ("pytorch_FSDP.py", "shard-grad-op-adamw", {"sharding": "shard-grad-op"}),
+    ("pytorch_DeepSpeed.py", "zero2-adamw", {"deepspeed_config": "config/zero_stage2_config.json"}),
 ]})
 
 
@@ -156,34 +182,106 @@ class Result:
         return self.folder / "ckpt" / self.launch.script[:-3] / "model_final.pt"
 
 
+IN_FLIGHT = 2  # launches running at once: two cores
+
+
 class SharedLaunches:
     def __init__(self, root: Path):
         self.root, self.done = root, {}
+        self.futures: dict[str, Future] = {}
+        self.pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="launch")
+        self.lock = threading.Lock()
+        self.ports: set[int] = set()
+        self.pids: set[int] = set()  # launchers running now: conftest.py leaves them to the tests that read them
+        self.needs: list[list[str]] = []  # per collected test, in order: the launches its marker names
+        self.index: dict[str, int] = {}  # a collected test's node id -> its place in `needs`
 
     def __call__(self, name: str) -> Result:
         if name not in self.done:
-            self.done[name] = self._launch(name, CASES[name])
+            self._submit(name)
+            self._look_ahead()
+            self.done[name] = self.futures.pop(name).result()
         return self.done[name]
+
+    def _submit(self, name: str) -> None:
+        if name not in self.futures and name not in self.done:
+            self.futures[name] = self.pool.submit(self._launch, name, CASES[name])
+
+    def _look_ahead(self) -> None:
+        """Top up to IN_FLIGHT with the launches the running test and the marked tests after it need."""
+        for needed in self.needs[self.index.get(RUNNING, len(self.needs)):]:
+            if not needed:
+                return
+            for name in needed:
+                if sum(not f.done() for f in self.futures.values()) >= IN_FLIGHT:
+                    return
+                self._submit(name)
+
+    def drain(self) -> None:
+        """Wait for the launches in flight (their results are kept for the tests that read them)."""
+        for name in list(self.futures):
+            self.futures[name].exception()
+
+    def _port(self) -> int:
+        with self.lock:
+            while (p := free_port()) in self.ports:
+                pass
+            self.ports.add(p)
+            return p
 
     def _launch(self, name: str, case: Launch) -> Result:
         folder = self.root / name
         folder.mkdir(parents=True)
         args = tiny_args(folder, **case.flags())
         script, args = (case.twin[0], list(case.twin[1:]) + args) if case.twin else (case.script, args)
-        proc = run(script, args, nproc=case.nproc, launcher=case.launcher, env=dict(case.env), timeout=300)
+        port = self._port() if case.launcher != "python" else None
+        cmd = launcher_cmd(case.launcher, case.nproc, port) + [script] + args
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(dict(case.env)), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        with self.lock:
+            self.pids.add(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        finally:
+            with self.lock:
+                self.pids.discard(proc.pid)
+                self.ports.discard(port)
+        done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
         resume = folder / "ckpt" / case.script[:-3] / "resume"
         saved = resume.is_dir()
         shutil.rmtree(resume, ignore_errors=True)
         shutil.rmtree(resume.parent / "ds_checkpoint", ignore_errors=True)  # DeepSpeed's final shards, read already
-        return Result(case, folder, proc, saved, rows(folder / "summary.csv"))
+        return Result(case, folder, done, saved, rows(folder / "summary.csv"))
 
     def close(self) -> None:
+        self.drain()
+        self.pool.shutdown(wait=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+ACTIVE: SharedLaunches | None = None  # the session's, for conftest.py's hooks
+RUNNING = ""  # node id of the test running now (conftest.py)
+
+
+def marked_needs(item) -> list[str]:
+    """The shared launches a collected test names in its `launches` marker, its parameters filled in."""
+    marker = item.get_closest_marker("launches")
+    if marker is None:
+        return []
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return [n.format(**params) for n in marker.args]
+
+
 @pytest.fixture(scope="session")
-def launched(tmp_path_factory):
+def launched(tmp_path_factory, request):
     """launched(name) -> Result of the shared launch `name` (a key of CASES), run on first use."""
-    shared = SharedLaunches(tmp_path_factory.mktemp("launches"))
+    global ACTIVE
+    shared = ACTIVE = SharedLaunches(tmp_path_factory.mktemp("launches"))
+    shared.needs = [marked_needs(item) for item in request.session.items]
+    shared.index = {item.nodeid: i for i, item in enumerate(request.session.items)}
     yield shared
+    ACTIVE = None
     shared.close()

@@ -4,13 +4,16 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, rows
+from helpers import ROOT, rows, run_at_once
 
 from common.registry import BY_FILE, SCRIPTS
 from common.report import update_readme, write_report
 from common.results import append_row
 
-LAUNCHER_SAMPLE = ["pytorch_SingleGPU.py", "pytorch_DDP.py", "pytorch_DeepSpeed.py", "accelerate_DeepSpeed.py",
+# one script per launcher, and one that needs CUDA. accelerate_DDP.py: `accelerate launch` without DeepSpeed's
+# imports, which pytorch_DeepSpeed.py's launcher already pays (accelerate_DeepSpeed.py goes through `accelerate
+# launch` in tests/test_slurm.py's template)
+LAUNCHER_SAMPLE = ["pytorch_SingleGPU.py", "pytorch_DDP.py", "pytorch_DeepSpeed.py", "accelerate_DDP.py",
                    "accelerate_FSDP.py"]
 
 
@@ -32,7 +35,7 @@ def test_failures_are_recorded_and_the_matrix_goes_on(tmp_path):
            train_samples: 64, test_samples: 20, workers: 0, log_every: 0}
     runs:
       - {name: bad_model, script: pytorch_SingleGPU.py, args: {model: resnet5000}}
-      - {name: too_slow, script: pytorch_SingleGPU.py, args: {epochs: 50, train_samples: 5000}, timeout_s: 6}
+      - {name: too_slow, script: pytorch_SingleGPU.py, args: {epochs: 50, train_samples: 5000}, timeout_s: 3}
       - {name: diverges, script: pytorch_SingleGPU.py, args: {lr: 1.0e+30, max_nonfinite_steps: 1, log_every: 1}}
       - {name: fine, script: pytorch_SingleGPU.py}
 """)
@@ -92,31 +95,47 @@ def test_report_of_an_empty_or_missing_csv(tmp_path):
     assert "No runs yet" in (tmp_path / "R.md").read_text()
 
 
-@pytest.mark.slow
-def test_unknown_preset_one_line(tmp_path):
-    proc = bench(tmp_path, "--preset", "nope")
-    assert proc.returncode == 2 and "unknown preset 'nope'" in proc.stderr and "Traceback" not in proc.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("cmd", [
+TOOLS = [
     ["benchmarks/loader_throughput.py", "--image-size", "64", "--batch-size", "8", "--workers", "0", "--batches", "3",
      "--warmup", "1"],
     ["benchmarks/profile_step.py", "--model", "resnet18", "--image-size", "32", "--batch-size", "8", "--steps", "2",
      "--workers", "0"],
     ["benchmarks/loop_overhead.py", "--steps", "3", "--warmup", "1", "--rounds", "1", "--batch-size", "8"],
-])
-def test_benchmark_tools_run(cmd):
+]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """TOOLS, the seed preset's dry run and an unknown preset: processes that each spend most of their time
+    importing torch on one core, started together (helpers.run_at_once). {key: CompletedProcess}"""
+    root = tmp_path_factory.mktemp("quick")
+    out = ["--results", str(root / "summary.csv"), "--report", str(root / "REPORT.md"), "--log-dir", str(root / "logs"),
+           "--save-dir", str(root / "ckpt")]
+    jobs = {i: (cmd[0], cmd[1:]) for i, cmd in enumerate(TOOLS)}
+    jobs.update(seed=("benchmark.py", [*out, "--preset", "seed", "--dry-run"]),
+                nope=("benchmark.py", [*out, "--preset", "nope"]))
+    return run_at_once(jobs)
+
+
+@pytest.mark.slow
+def test_unknown_preset_one_line(quick):
+    proc = quick["nope"]
+    assert proc.returncode == 2 and "unknown preset 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(TOOLS)), ids=[c[0].split("/")[1][:-3] for c in TOOLS])
+def test_benchmark_tools_run(quick, i):
     """They run and print their figure (no timing is asserted: measuring is their job, not the tests')."""
-    proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = quick[i]
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "img/s" in proc.stdout or "ratio fit/bare" in proc.stdout
 
 
 @pytest.mark.slow
-def test_seed_preset_commands(tmp_path):
+def test_seed_preset_commands(quick):
     """The articles' matrix, printed not run: launchers, process count and per-GPU batch-1 runs."""
-    proc = bench(tmp_path, "--preset", "seed", "--dry-run")
+    proc = quick["seed"]
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ".py" in ln and "--run-name" in ln]
     assert len(lines) == 19

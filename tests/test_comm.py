@@ -85,6 +85,7 @@ def ddp_calls_per_step(steps: int, rebuild_in_window: bool) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.launches("pytorch_DDP-fp32", "pytorch_DDP-fp32-log1")
 def test_ddp_calls_per_step_do_not_change_with_log_every(launched):
     """The harness's non-finite check all-reduces at every --log-every step, inside the profiled ones:
     --log-every 1 gives the calls of --log-every 0 (test_scripts' DDP run), one all-reduce per bucket,
@@ -153,6 +154,7 @@ def _measured(tmp_path, script, launcher, **over):
     ("pytorch_DeepSpeed-launcher", 2.0),  # ZeRO-2: reduce the gradients + all-gather the weights
     ("pytorch_DeepSpeed-bf16", 1.0),  # the same in bf16 (ZeRO-2 JSON)
 ])
+@pytest.mark.launches("{launch}")
 def test_sharded_strategies_send_their_expected_volume(launched, launch, factor):
     import torchvision
 
@@ -165,6 +167,7 @@ def test_sharded_strategies_send_their_expected_volume(launched, launch, factor)
 
 
 @pytest.mark.slow
+@pytest.mark.launches("pytorch_DeepSpeed-fp32")
 def test_zero3_rows_count_the_collectives_the_model_prices(launched):
     """DeepSpeed ZeRO-3 (the shipped JSON, resnet18, 3 ranks) issues per step what the step model prices:
     the forward's weights in one coalesced all-gather (stage3_prefetch_bucket_size, 5e7 elements, holds

@@ -74,6 +74,7 @@ def test_flop_count_leaves_the_rng_alone():
 
 
 @pytest.mark.slow
+@pytest.mark.launches("pytorch_SingleGPU-fp32")
 def test_cpu_row_has_mfu_step_times_and_energy_where_readable(launched):
     row = launched("pytorch_SingleGPU-fp32").row
     f = {k: float(row[k]) for k in ("train_gflop_per_img", "achieved_tflops", "peak_tflops", "mfu",

@@ -40,6 +40,7 @@ def trained(launched, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.launches(*TRAINED)
 def test_every_checkpoint_gives_the_training_runs_accuracy(trained, tmp_path):
     tmp, accuracy = trained
     out = tmp_path / "inference.csv"
@@ -54,6 +55,7 @@ def test_every_checkpoint_gives_the_training_runs_accuracy(trained, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision, loader", [("fp32", "torch"), ("bf16", "gpu")])
+@pytest.mark.launches(*TRAINED)
 def test_onnx_parity(trained, tmp_path, precision, loader):
     """fp32: parity within MAX_DIFF. bf16: the export works from a bf16 model (the export is of an
     fp32 copy; the measured model keeps its dtype) and parity is against that bf16 model, so the

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import ROOT, check_ok, clean_env, rows, run, run_at_once, tiny_args
+from helpers import ROOT, check_ok, clean_env, run_at_once
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -47,31 +47,19 @@ def check_model_state(row: dict) -> None:
         assert abs(float(row["pred_error_pct"])) < 50, row["pred_error_pct"]
 
 
-# one run each at 3 ranks, beside test_scripts.py's (check_row): its fp32 runs of DDP, DDP+ZeRO, FSDP full
-# shard, DeepSpeed ZeRO-3 and accelerate DDP are at 3 ranks (tests/launches.py), its half-precision runs at 2
-# (ZeRO-1 through pytorch_DeepSpeed.py fp16 and accelerate_DeepSpeed.py bf16, ZeRO-2 through accelerate's
-# fp16). ZeRO-1 and ZeRO-2 share DeepSpeed's flat partition (stage_1_and_2.py): the ZeRO-2 case here checks its
-# padding at 3 ranks; ZeRO-1's gradients (whole, not partitioned) are checked at 2 ranks only
-CASES = [
-    ("pytorch_DDP_ZeRO.py", "torchrun", {"optimizer": "adamw"}),
-    ("pytorch_FSDP.py", "torchrun", {"sharding": "shard-grad-op", "optimizer": "adamw"}),
-    # torchrun, not the deepspeed launcher (its runner and launch.py each import torch and DeepSpeed first):
-    # the launcher runs in tests/launches.py's pytorch_DeepSpeed-launcher
-    ("pytorch_DeepSpeed.py", "torchrun", {"deepspeed_config": "config/zero_stage2_config.json",
-                                          "optimizer": "adamw"}),
-]
-
-
+# one run each at 3 ranks (tests/launches.py MODEL_STATE_AT_3), beside test_scripts.py's (check_row): its fp32
+# runs of DDP, DDP+ZeRO, FSDP full shard, DeepSpeed ZeRO-3 and accelerate DDP are at 3 ranks, its
+# half-precision runs at 2 (ZeRO-1 through pytorch_DeepSpeed.py fp16 and accelerate_DeepSpeed.py bf16, ZeRO-2
+# through accelerate's fp16). ZeRO-1 and ZeRO-2 share DeepSpeed's flat partition (stage_1_and_2.py): the ZeRO-2
+# case here checks its padding at 3 ranks; ZeRO-1's gradients (whole, not partitioned) are checked at 2 ranks only
 @pytest.mark.slow
-@pytest.mark.parametrize("script, launcher, extra", CASES,
-                         ids=[f"{c[0][:-3]}-{'-'.join(map(str, c[2].values())) or 'default'}" for c in CASES])
-def test_model_state_at_3_ranks(tmp_path, script, launcher, extra):
-    # 3 does not divide resnet18's parameter counts evenly: padding and uneven shards are exercised
-    args = tiny_args(tmp_path, batch_size=12, train_samples=24, test_samples=6, loader_probe_batches=0,
-                     epoch_checkpoints=False, **extra)
-    check_ok(run(script, args, nproc=3, launcher=launcher, timeout=400))
-    (row,) = rows(tmp_path / "summary.csv")
-    check_model_state(row)
+@pytest.mark.parametrize("name", ["pytorch_DDP_ZeRO-adamw-at3", "pytorch_FSDP-shard-grad-op-adamw-at3",
+                                  "pytorch_DeepSpeed-zero2-adamw-at3"])
+@pytest.mark.launches("{name}")
+def test_model_state_at_3_ranks(launched, name):
+    r = launched(name)
+    check_ok(r.proc)
+    check_model_state(r.row)
 
 
 class LiveStorages(TorchDispatchMode):

@@ -87,9 +87,13 @@ REFUSALS = [
 
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory):
-    """REFUSALS' runs (PP alone: a pipeline of one), started together: {i: (its folder, its process)}."""
+    """REFUSALS' runs (PP alone: a pipeline of one) and 1F1B with too few micro-batches on 2 ranks, started
+    together: {key: (its folder, its process)}."""
     root = tmp_path_factory.mktemp("refused")
-    got = run_at_once({i: (script, tiny_args(root / str(i), **extra)) for i, (script, extra, _) in enumerate(REFUSALS)})
+    jobs = {i: (script, tiny_args(root / str(i), **extra)) for i, (script, extra, _) in enumerate(REFUSALS)}
+    jobs["1f1b"] = ("pytorch_PP.py", tiny_args(root / "1f1b", schedule="1f1b", microbatches=1),
+                    {"launcher": "torchrun", "nproc": 2})
+    got = run_at_once(jobs)
     return {i: (root / str(i), proc) for i, proc in got.items()}
 
 
@@ -102,10 +106,10 @@ def test_refusals_are_one_line(refused, i):
 
 
 @pytest.mark.slow  # launches processes
-def test_1f1b_needs_a_microbatch_per_stage(tmp_path):
-    proc = run("pytorch_PP.py", tiny_args(tmp_path, schedule="1f1b", microbatches=1), nproc=2, launcher="torchrun")
+def test_1f1b_needs_a_microbatch_per_stage(refused):
+    folder, proc = refused["1f1b"]
     assert proc.returncode != 0 and "at least as many micro-batches as stages (2)" in proc.stderr
-    assert rows(tmp_path / "summary.csv") == []
+    assert rows(folder / "summary.csv") == []
 
 
 def test_a_pipeline_uses_at_most_four_processes():
@@ -137,6 +141,7 @@ def test_pipeline_bytes_of_resnet18():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["pytorch_PP-fp32", "pytorch_PP-fp32-1f1b"])
+@pytest.mark.launches("{name}")
 def test_a_pipeline_ranks_exposed_communication_fits_in_its_idle_time(launched, name):
     """What a rank does outside its pieces' forward and backward (the bubble instrument's idle time) holds
     its exposed communication, data, optimizer and the rest; the busiest-idle lane's share bounds the ranks'

@@ -21,12 +21,14 @@ pytestmark = pytest.mark.slow
 
 # CPU cannot run these; each refuses in one line instead (the row would otherwise lie)
 REFUSED = {("accelerate_DDP.py", "fp16"): "would silently train in fp32",
-           ("accelerate_FSDP.py", "fp32"): "needs CUDA devices", ("accelerate_FSDP.py", "fp16"): "needs CUDA devices",
-           ("accelerate_FSDP.py", "bf16"): "needs CUDA devices"}
+           ("accelerate_FSDP.py", "fp32"): "needs CUDA devices"}
 
 
 def cases():
-    return [pytest.param(s, p, id=f"{s.name}-{p}") for s in SCRIPTS for p in s.precisions]
+    """Every script at every precision it accepts; a script that needs CUDA refuses --device cpu before its
+    precision matters, once (its precisions train in the GPU tier, and on CPU through accelerate_FSDP-twin)."""
+    return [pytest.param(s, p, id=f"{s.name}-{p}") for s in SCRIPTS
+            for p in (s.precisions[:1] if s.needs_cuda else s.precisions)]
 
 
 def check_row(row, script, world, precision, steps=4):
@@ -86,6 +88,7 @@ def _load_bare(final, _mtime, _size, model, image_size):
 
 
 @pytest.mark.parametrize("entry, precision", cases())
+@pytest.mark.launches("{entry.name}-{precision}")
 def test_every_script_and_precision(launched, entry, precision):
     r = launched(f"{entry.name}-{precision}")
     if (entry.file, precision) in REFUSED:
@@ -114,6 +117,7 @@ def test_every_script_and_precision(launched, entry, precision):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.launches("accelerate_FSDP-twin-{precision}")
 def test_accelerate_fsdp_cpu_twin(launched, precision):
     """accelerate's own FSDP2 path (prepare of model and optimizer together, the wrap policy from the
     model's block class, mixed precision with BatchNorm statistics in fp32), forced on over gloo."""
@@ -143,6 +147,7 @@ def test_deepspeed_refuses_a_dtype_its_accelerator_lacks(tmp_path, monkeypatch):
     assert resolve("fp16") == "fp16"
 
 
+@pytest.mark.launches("pytorch_DeepSpeed-launcher")
 def test_deepspeed_launcher(launched):
     r = launched("pytorch_DeepSpeed-launcher")
     check_ok(r.proc)
@@ -211,16 +216,26 @@ def test_deepspeed_refuses_flags_it_does_not_use(ds_refused):
     assert "unrecognized arguments: --compile" in one_line_error(proc)
 
 
-def test_global_batch_must_divide_world(tmp_path):
-    proc = run("pytorch_DDP.py", tiny_args(tmp_path, batch_size=15), nproc=2, launcher="torchrun")
+@pytest.fixture(scope="module")
+def refused_under_torchrun(tmp_path_factory):
+    """Two 2-rank launches that refuse, started together (helpers.run_at_once): {key: (folder, process)}."""
+    root = tmp_path_factory.mktemp("refused_torchrun")
+    two = {"launcher": "torchrun", "nproc": 2}
+    got = run_at_once({"batch": ("pytorch_DDP.py", tiny_args(root / "batch", batch_size=15), two),
+                       "single": ("pytorch_SingleGPU.py", tiny_args(root / "single"), two)})
+    return {k: (root / k, proc) for k, proc in got.items()}
+
+
+def test_global_batch_must_divide_world(refused_under_torchrun):
+    folder, proc = refused_under_torchrun["batch"]
     assert proc.returncode != 0 and "does not divide by world size 2" in proc.stderr
-    assert rows(tmp_path / "summary.csv") == []
+    assert rows(folder / "summary.csv") == []
 
 
-def test_single_device_script_refuses_torchrun(tmp_path):
-    proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path), nproc=2, launcher="torchrun")
+def test_single_device_script_refuses_torchrun(refused_under_torchrun):
+    folder, proc = refused_under_torchrun["single"]
     assert proc.returncode != 0 and "use pytorch_DDP.py" in proc.stderr
-    assert rows(tmp_path / "summary.csv") == []
+    assert rows(folder / "summary.csv") == []
 
 
 def test_training_learns_on_synthetic_data(tmp_path):

@@ -41,21 +41,23 @@ def benchmark(c: Cluster, tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
-    """The smoke preset's two scripts of torchrun and deepspeed, cut to TINY's 4 steps (the job files and
-    their launchers are the subject, not the training), and a job that fails (an unknown model): it
-    becomes a failed row with the script's own error, and the matrix goes on. The DDP job runs
-    slurm/torchrun.sbatch on 2 nodes, as `sbatch slurm/torchrun.sbatch pytorch_DDP.py` does (whose own
-    #SBATCH lines sbatch --test-only checks here, without a second training job)."""
+    """The smoke preset's DDP run, cut to TINY's 4 steps (the job files and their launchers are the subject,
+    not the training), and a job that fails (an unknown model): it becomes a failed row with the script's
+    own error, and the matrix goes on. The DDP job runs slurm/torchrun.sbatch on 2 nodes, as `sbatch
+    slurm/torchrun.sbatch pytorch_DDP.py` does (whose own #SBATCH lines sbatch --test-only checks here,
+    without a second training job). The deepspeed launcher's runs take the same template
+    (common/bench/slurm.py; their job files: test_dry_run_writes_job_files_that_bash_accepts), and
+    DeepSpeed on 2 nodes trains in the accelerate template's test below."""
     results, matrix = tmp_path / "summary.csv", tmp_path / "m.yaml"
     args = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in TINY.items()
                      if k != "device")
     matrix.write_text(f"presets:\n  smoke:\n    timeout_s: 300\n    args: {{{args}}}\n    scripts: all\n"
                       "    runs: [{name: crash, script: pytorch_DDP.py, args: {model: no_such_model}}]\n")
     proc = benchmark(cluster, tmp_path, "--preset", "smoke", "--matrix", str(matrix), "--only",
-                     "pytorch_DDP.py,pytorch_DeepSpeed.py", "--launcher", "slurm", "--nodes", "2")
+                     "pytorch_DDP.py", "--launcher", "slurm", "--nodes", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = {r["run_name"]: r for r in rows(results)}
-    assert sorted(got) == ["smoke/crash", "smoke/pytorch_DDP", "smoke/pytorch_DeepSpeed"], rows(results)
+    assert sorted(got) == ["smoke/crash", "smoke/pytorch_DDP"], rows(results)
     crash = got.pop("smoke/crash")
     assert crash["status"] == "failed" and crash["world_size"] == "2", crash
     assert crash["error"].startswith("pytorch_DDP.py: error: ") and "no_such_model" in crash["error"], crash
@@ -70,7 +72,7 @@ def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
         assert check.returncode == 0 and "to start at" in check.stderr, (template, check.stderr)
     assert (tmp_path / "slurm" / "smoke__pytorch_DDP.sbatch").exists()
     # --save-dir reached the job, as the root of its own folder (--resume auto never sees another job's)
-    assert len(list(tmp_path.glob("ckpt/job*/pytorch_DeepSpeed/model_final.pt"))) == 1
+    assert len(list(tmp_path.glob("ckpt/job*/pytorch_DDP/model_final.pt"))) == 1
 
 
 @pytest.mark.slow
@@ -109,6 +111,9 @@ def test_dry_run_writes_job_files_that_bash_accepts(tmp_path):
     assert "--save-dir /ck" in (tmp_path / "slurm" / "smoke__pytorch_SingleGPU.sbatch").read_text()  # no template
     assert "slurm/accelerate.sbatch config/default_DDP.yml accelerate_DDP.py" in \
         (tmp_path / "slurm" / "smoke__accelerate_DDP.sbatch").read_text()
+    # the deepspeed launcher's script under Slurm: one torchrun per node, whose environment DeepSpeed reads
+    assert "bash slurm/torchrun.sbatch pytorch_DeepSpeed.py" in \
+        (tmp_path / "slurm" / "smoke__pytorch_DeepSpeed.sbatch").read_text()
 
 
 def test_cores_asked_are_capped_at_the_partitions_smallest_node(monkeypatch, tmp_path):

@@ -88,6 +88,7 @@ TOLERANCE = 1e-4  # test_equivalence's (4 SGD steps at lr 0.05; here 2)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, world", [("pytorch_TP-fp32", 2), ("pytorch_TP-fp32-dp2", 4)])
+@pytest.mark.launches("pytorch_SingleGPU-vit_b_16", "{name}")
 def test_tp_trains_like_one_process(launched, name, world):
     """pytorch_TP.py on vit_b_16 at 32 px, tp 2 (2 ranks) and tp 2 x dp 2 (4 ranks, FSDP2 over dp), against
     pytorch_SingleGPU.py on the same 2 batches: the same weights within test_equivalence's tolerance; the
