@@ -12,7 +12,7 @@ sys.path.insert(0, TESTS)
 sys.path.insert(0, ROOT)
 
 import launches  # noqa: E402
-from launches import launched  # noqa: E402,F401  the session's shared end-to-end runs (tests/launches.py)
+from launches import launched, runs  # noqa: E402,F401  the session's shared end-to-end runs (tests/launches.py)
 
 # Every test runs on this one host, the Slurm "nodes" included: gloo talks over loopback, whatever the
 # hostname resolves to (common/distributed.py, gloo_on_loopback_when_one_node, says why it matters).

@@ -5,6 +5,7 @@ import csv
 import os
 import subprocess
 import sys
+import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -36,6 +37,25 @@ def half_size(precision: str) -> dict:
     return {} if native[precision]() else {"image_size": 16}
 
 
+_HELD: set[int] = set()  # rendezvous ports of the launchers these tests have running
+_HELD_LOCK = threading.Lock()  # tests/launches.py starts launchers from two threads
+
+
+def hold_port() -> int:
+    """A free port that no launcher these tests started holds: free_port binds and closes, so two launchers
+    started together can draw the same one before either binds it. release_port(p) once its launcher ended."""
+    with _HELD_LOCK:
+        while (p := free_port()) in _HELD:
+            pass
+        _HELD.add(p)
+        return p
+
+
+def release_port(port: int | None) -> None:
+    with _HELD_LOCK:
+        _HELD.discard(port)
+
+
 def launcher_cmd(launcher: str, nproc: int, port: int | None = None) -> list[str]:
     if launcher == "torchrun":
         return [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(nproc), "--master_port",
@@ -50,6 +70,13 @@ def clean_env(env: dict | None = None) -> dict:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         e.pop(k, None)
     return e
+
+
+def start(script: str, args: list[str], nproc: int = 1, launcher: str = "python", env: dict | None = None,
+          port: int | None = None, launcher_args: tuple = (), **popen) -> subprocess.Popen:
+    """run()'s command, started in the background (popen: Popen's own arguments, such as stdout)."""
+    cmd = [*launcher_cmd(launcher, nproc, port), *launcher_args, script, *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=clean_env(env), text=True, **popen)
 
 
 def run(script: str, args: list[str], nproc: int = 1, launcher: str = "python", timeout: int = 300,
@@ -68,24 +95,19 @@ def run_at_once(jobs: dict, timeout: int = 300) -> dict:
     nobody reads would stall a process)."""
     import tempfile
 
-    ports: set[int] = set()
-
-    def new_port() -> int:  # two launchers started together must not draw the same free port
-        while (p := free_port()) in ports:
-            pass
-        ports.add(p)
-        return p
-
+    ports = []
     with tempfile.TemporaryDirectory() as tmp:
         started = {}
         for i, (key, (script, args, *launch)) in enumerate(jobs.items()):
             launch = launch[0] if launch else {}
             out, err = open(os.path.join(tmp, f"{i}.out"), "w+"), open(os.path.join(tmp, f"{i}.err"), "w+")
             launcher = launch.get("launcher", "python")
-            head = launcher_cmd(launcher, launch.get("nproc", 1), new_port() if launcher != "python" else None)
-            cmd = [*head, *launch.get("launcher_args", []), script, *args]
-            started[key] = (cmd, subprocess.Popen(cmd, cwd=ROOT, env=clean_env(launch.get("env")), stdout=out,
-                                                  stderr=err, text=True), out, err)
+            if launcher != "python":
+                ports.append(hold_port())
+            proc = start(script, args, launch.get("nproc", 1), launcher, launch.get("env"),
+                         ports[-1] if launcher != "python" else None, launch.get("launcher_args", ()), stdout=out,
+                         stderr=err)
+            started[key] = (proc.args, proc, out, err)
         done = {}
         try:
             for key, (cmd, proc, out, err) in started.items():
@@ -106,6 +128,8 @@ def run_at_once(jobs: dict, timeout: int = 300) -> dict:
                     proc.wait()
                 out.close()
                 err.close()
+            for port in ports:
+                release_port(port)
     return done
 
 

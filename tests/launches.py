@@ -8,8 +8,9 @@ import torch, torchvision and DeepSpeed (10-20 s on 2 cores): checking six prope
 to cost six of them. What needs a run of its own keeps launching it: a kill and a resume, a restart, bad
 input, another world size, settings no shared run has.
 
-    def test_x(launched):
-        r = launched("pytorch_DDP-fp32")   # runs it now, or returns the session's earlier result
+    @pytest.mark.launches("pytorch_DDP-fp32")
+    def test_x(runs):
+        (r,) = runs   # the marker's launches: run now, or the session's earlier results
         r.row["comm_bytes_per_step"]
 
 Disk: a run's resume checkpoints (twice the model) and DeepSpeed's final shards are deleted once it
@@ -17,7 +18,8 @@ ends; its model_final.pt (~43 MB for resnet18 in fp32, 15 such runs: ~0.7 GB) st
 load it, until the session ends.
 
 Two at a time: a test that reads shared launches says which with `@pytest.mark.launches(...)` (a name of
-CASES, or a template filled from the test's parameters: "{name}", "{entry.name}-{precision}"). While such
+CASES, or a template filled from the test's parameters: "{name}", "{entry.name}-{precision}"), and reads
+them from the `runs` fixture, in the marker's order (a module-scoped fixture calls `launched(name)`). While such
 a test's launch runs, the next launch of the tests that follow it, as long as they are marked too, starts
 beside it: a `python` run keeps one core busy (OMP_NUM_THREADS=1, and importing torch is single-threaded),
 and torchrun's own start and exit leave the second core idle, about 18% of a 2-rank launch. A test without
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, clean_env, free_port, half_size, launcher_cmd, rows, tiny_args
+from helpers import half_size, hold_port, release_port, rows, start, tiny_args
 
 from common.registry import BY_FILE, SCRIPTS
 
@@ -117,7 +119,14 @@ def script_case(file: str, precision: str) -> Launch:
                   launcher="torchrun" if s.distributed else "python", twin=twin)
 
 
-CASES: dict[str, Launch] = {f"{s.name}-{p}": script_case(s.file, p) for s in SCRIPTS for p in s.precisions}
+def precisions_run(s) -> tuple:
+    """The precisions test_scripts runs a script at on this CPU: a script that needs CUDA refuses --device cpu
+    before its precision matters, so once (its precisions train in the GPU tier, on CPU through
+    accelerate_FSDP-twin)."""
+    return tuple(s.precisions[:1] if s.needs_cuda else s.precisions)
+
+
+CASES: dict[str, Launch] = {f"{s.name}-{p}": script_case(s.file, p) for s in SCRIPTS for p in precisions_run(s)}
 CASES.update({
     # the deepspeed launcher itself, on the script's default JSON (ZeRO-2)
     "pytorch_DeepSpeed-launcher": Launch("pytorch_DeepSpeed.py", nproc=2, launcher="deepspeed"),
@@ -191,7 +200,6 @@ class SharedLaunches:
         self.futures: dict[str, Future] = {}
         self.pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="launch")
         self.lock = threading.Lock()
-        self.ports: set[int] = set()
         self.pids: set[int] = set()  # launchers running now: conftest.py leaves them to the tests that read them
         self.needs: list[list[str]] = []  # per collected test, in order: the launches its marker names
         self.index: dict[str, int] = {}  # a collected test's node id -> its place in `needs`
@@ -222,22 +230,14 @@ class SharedLaunches:
         for name in list(self.futures):
             self.futures[name].exception()
 
-    def _port(self) -> int:
-        with self.lock:
-            while (p := free_port()) in self.ports:
-                pass
-            self.ports.add(p)
-            return p
-
     def _launch(self, name: str, case: Launch) -> Result:
         folder = self.root / name
         folder.mkdir(parents=True)
         args = tiny_args(folder, **case.flags())
         script, args = (case.twin[0], list(case.twin[1:]) + args) if case.twin else (case.script, args)
-        port = self._port() if case.launcher != "python" else None
-        cmd = launcher_cmd(case.launcher, case.nproc, port) + [script] + args
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(dict(case.env)), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        port = hold_port() if case.launcher != "python" else None
+        proc = start(script, args, case.nproc, case.launcher, dict(case.env), port, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE)
         with self.lock:
             self.pids.add(proc.pid)
         try:
@@ -248,8 +248,8 @@ class SharedLaunches:
         finally:
             with self.lock:
                 self.pids.discard(proc.pid)
-                self.ports.discard(port)
-        done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+            release_port(port)
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
         resume = folder / "ckpt" / case.script[:-3] / "resume"
         saved = resume.is_dir()
         shutil.rmtree(resume, ignore_errors=True)
@@ -285,3 +285,12 @@ def launched(tmp_path_factory, request):
     yield shared
     ACTIVE = None
     shared.close()
+
+
+@pytest.fixture
+def runs(launched, request) -> list[Result]:
+    """The Results of the shared launches this test's `launches` marker names, in the marker's order."""
+    names = marked_needs(request.node)
+    if not names:
+        pytest.fail("the `runs` fixture reads the launches of a @pytest.mark.launches(...) marker; this test has none")
+    return [launched(name) for name in names]

@@ -112,7 +112,7 @@ def test_fsdp_units_of_a_vision_transformer_are_its_encoder_blocks():
 
 @pytest.mark.slow
 @pytest.mark.launches("pytorch_FSDP-vit_b_16")
-def test_fsdp_on_vit_b_16_wraps_each_encoder_block(launched):
+def test_fsdp_on_vit_b_16_wraps_each_encoder_block(runs):
     """vit_b_16 at 32 px on 2 gloo ranks under torchrun: one ok row, model state as predicted, the bytes of
     3 passes over the parameters (2 all-gathers and a reduce-scatter), and one collective of each per unit
     and step: 12 EncoderBlocks and the root. The root is re-gathered for backward too, because
@@ -123,7 +123,7 @@ def test_fsdp_on_vit_b_16_wraps_each_encoder_block(launched):
     from test_memory import check_model_state
     from test_scripts import load_bare
 
-    r = launched("pytorch_FSDP-vit_b_16")
+    (r,) = runs
     check_ok(r.proc)
     row = r.row
     assert row["status"] == "ok" and row["model"] == "vit_b_16" and row["strategy"] == "fsdp_full-shard"
@@ -165,7 +165,7 @@ def test_a_vit_is_split_between_its_encoder_blocks():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["pytorch_PP-vit_b_16", "pytorch_MP-vit_b_16"])
 @pytest.mark.launches("pytorch_SingleGPU-vit_b_16", "{name}")
-def test_pipeline_and_model_parallel_vit_train_like_one_process(launched, name):
+def test_pipeline_and_model_parallel_vit_train_like_one_process(runs, name):
     """vit_b_16 at 32 px cut between EncoderBlocks 5 and 6: the pipeline on 2 ranks (GPipe, 4 micro-batches
     of 4), and the two halves in one process, against pytorch_SingleGPU.py on the same 2 batches of 16: the
     same weights within test_equivalence's tolerance (no BatchNorm: micro-batches compute the same
@@ -174,7 +174,7 @@ def test_pipeline_and_model_parallel_vit_train_like_one_process(launched, name):
     from helpers import check_ok
     from test_scripts import load_bare
 
-    one, r = launched("pytorch_SingleGPU-vit_b_16"), launched(name)
+    one, r = runs
     check_ok(one.proc), check_ok(r.proc)
     row = r.row
     assert row["status"] == "ok" and row["model"] == "vit_b_16" and int(row["test_samples"]) == 37

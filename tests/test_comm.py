@@ -86,14 +86,14 @@ def ddp_calls_per_step(steps: int, rebuild_in_window: bool) -> float:
 
 @pytest.mark.slow
 @pytest.mark.launches("pytorch_DDP-fp32", "pytorch_DDP-fp32-log1")
-def test_ddp_calls_per_step_do_not_change_with_log_every(launched):
+def test_ddp_calls_per_step_do_not_change_with_log_every(runs):
     """The harness's non-finite check all-reduces at every --log-every step, inside the profiled ones:
     --log-every 1 gives the calls of --log-every 0 (test_scripts' DDP run), one all-reduce per bucket,
     2 buffer broadcasts, and the bucket rebuild's 2 broadcasts once in the 3 profiled steps."""
     import torchvision
     from test_guards import ddp_buckets
 
-    quiet, logged = launched("pytorch_DDP-fp32").row, launched("pytorch_DDP-fp32-log1").row
+    quiet, logged = (r.row for r in runs)
     assert ddp_buckets(torchvision.models.resnet18(num_classes=10)) + 2 == ddp_calls_per_step(3, False)
     want = round(ddp_calls_per_step(3, rebuild_in_window=True), 3)
     assert float(quiet["comm_calls_per_step"]) == float(logged["comm_calls_per_step"]) == want == 5.667
@@ -155,10 +155,10 @@ def _measured(tmp_path, script, launcher, **over):
     ("pytorch_DeepSpeed-bf16", 1.0),  # the same in bf16 (ZeRO-2 JSON)
 ])
 @pytest.mark.launches("{launch}")
-def test_sharded_strategies_send_their_expected_volume(launched, launch, factor):
+def test_sharded_strategies_send_their_expected_volume(runs, launch, factor):
     import torchvision
 
-    r = launched(launch).row
+    r = runs[0].row
     assert r["comm_calls_per_step"] and float(r["comm_ms_per_step"]) > 0 and float(r["busbw_gbps"]) > 0
     assert r["skipped_steps"] in ("", "0"), r["skipped_steps"]  # a skipped step sends less: not this test's volume
     params = sum(p.numel() for p in getattr(torchvision.models, r["model"])(num_classes=10).parameters())
@@ -168,7 +168,7 @@ def test_sharded_strategies_send_their_expected_volume(launched, launch, factor)
 
 @pytest.mark.slow
 @pytest.mark.launches("pytorch_DeepSpeed-fp32")
-def test_zero3_rows_count_the_collectives_the_model_prices(launched):
+def test_zero3_rows_count_the_collectives_the_model_prices(runs):
     """DeepSpeed ZeRO-3 (the shipped JSON, resnet18, 3 ranks) issues per step what the step model prices:
     the forward's weights in one coalesced all-gather (stage3_prefetch_bucket_size, 5e7 elements, holds
     its 11.4M), one bucket of gradients reduce-scattered, the norm's all-reduce, and each of the 50 weights
@@ -177,7 +177,7 @@ def test_zero3_rows_count_the_collectives_the_model_prices(launched):
     from common.measure.memory import Setup
     from common.measure.timemodel import Compute, Link, predict_step
 
-    r = launched("pytorch_DeepSpeed-fp32").row
+    r = runs[0].row
     assert r["strategy"] == "deepspeed_zero3", r["strategy"]
     with open(os.path.join(ROOT, "config", "zero_stage3_config.json")) as f:
         zero = json.load(f)["zero_optimization"]

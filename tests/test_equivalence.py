@@ -39,14 +39,13 @@ def final(result):
 
 @pytest.mark.parametrize("name", SAME)
 @pytest.mark.launches("pytorch_SingleGPU-fp32", "{name}")
-def test_same_weights_as_one_process(launched, name):
+def test_same_weights_as_one_process(runs, name):
     """DeepSpeed and accelerate's DeepSpeed run ZeRO-3 (their fp32 JSON); the pipelines cut each batch
     into 4 micro-batches (GPipe; 1F1B with ResNet's stages split 2,2); grad-accum: 2 ranks x 2
     accumulated micro-batches of 3, each micro-batch's loss divided by 2 before backward (else the
     summed gradient is twice the one-process gradient)."""
-    one = launched("pytorch_SingleGPU-fp32")
+    one, r = runs
     ref_sd, ref_loss = final(one), float(one.row["train_loss"])
-    r = launched(name)
     sd = final(r)
     diff = max((sd[k].float() - ref_sd[k].float()).abs().max().item() for k in ref_sd)
     moved = max((ref_sd[k].float() - final_init(k, ref_sd)).abs().max().item() for k in ("fc.weight",))

@@ -56,8 +56,8 @@ def check_model_state(row: dict) -> None:
 @pytest.mark.parametrize("name", ["pytorch_DDP_ZeRO-adamw-at3", "pytorch_FSDP-shard-grad-op-adamw-at3",
                                   "pytorch_DeepSpeed-zero2-adamw-at3"])
 @pytest.mark.launches("{name}")
-def test_model_state_at_3_ranks(launched, name):
-    r = launched(name)
+def test_model_state_at_3_ranks(runs, name):
+    (r,) = runs
     check_ok(r.proc)
     check_model_state(r.row)
 

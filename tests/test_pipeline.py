@@ -142,13 +142,13 @@ def test_pipeline_bytes_of_resnet18():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["pytorch_PP-fp32", "pytorch_PP-fp32-1f1b"])
 @pytest.mark.launches("{name}")
-def test_a_pipeline_ranks_exposed_communication_fits_in_its_idle_time(launched, name):
+def test_a_pipeline_ranks_exposed_communication_fits_in_its_idle_time(runs, name):
     """What a rank does outside its pieces' forward and backward (the bubble instrument's idle time) holds
     its exposed communication, data, optimizer and the rest; the busiest-idle lane's share bounds the ranks'
     mean. gloo records a pipeline's send on the issuing thread, from issue to wait, over the stage's next
     forwards: taking that thread for a gloo worker (whose ops are not compute) counted GPipe's forwards
     as exposed (the 64 px grid of 2026-11-26: 187 ms exposed against a 50% idle share of 330 ms)."""
-    row = launched(name).row
+    row = runs[0].row
     idle = float(row["pipeline_bubble_pct"]) / 100 * float(row["step_ms_mean"])
     outside = sum(float(row[f"step_{p}_ms"]) for p in ("comm_exposed", "data", "optimizer", "other"))
     assert float(row["step_comm_exposed_ms"]) > 0 and outside <= 1.05 * idle, (outside, idle)

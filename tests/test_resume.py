@@ -3,11 +3,11 @@ that was never interrupted, and one CSV row for the run, marked resumed."""
 import os
 import signal
 import subprocess
-import sys
 import time
 
+import helpers
 import pytest
-from helpers import BIN, ROOT, check_ok, free_port, one_line_error, rows, run, tiny_args
+from helpers import check_ok, hold_port, one_line_error, release_port, rows, run, tiny_args
 
 CASES = [("pytorch_SingleGPU.py", 1), ("accelerate_DeepSpeed.py", 2),
          ("pytorch_DDP_ZeRO.py", 2), ("pytorch_FSDP.py", 2), ("pytorch_DeepSpeed.py", 2)]
@@ -21,12 +21,9 @@ def args(tmp_path, script):
 
 
 def start(script, argv, nproc, stderr=subprocess.PIPE, port=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, script] if nproc == 1 else \
-        [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port or free_port()),
-         script]
-    return subprocess.Popen(cmd + argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
-                            start_new_session=True, text=True)
+    """In a session of its own, so that kill_all finds the launcher and its workers below it."""
+    return helpers.start(script, argv, nproc, "python" if nproc == 1 else "torchrun", port=port,
+                         stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
 
 
 def descendants(pid: int) -> list[int]:
@@ -65,9 +62,7 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, script, nproc):
     # the uninterrupted reference trains beside the run that is killed: on 2 cores the two overlap in their
     # imports, start-up and exits, and neither's result depends on timing (gloo's sums, no timed draw)
     ref.mkdir()
-    ports = [free_port()]
-    while len(ports) < 2:  # two launches at once: two rendezvous ports
-        ports += [p for p in [free_port()] if p not in ports]
+    ports = [hold_port(), hold_port()]  # two launches at once: two rendezvous ports
     with open(ref / "stderr.txt", "w+") as ref_err:
         ref_proc = start(script, args(ref, script), nproc, stderr=ref_err, port=ports[0])
         proc = start(script, args(cut, script) + ["--resume", "auto"], nproc, port=ports[1])
@@ -83,6 +78,8 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, script, nproc):
         finally:  # neither launch outlives a failed assertion
             kill_all(proc)
             kill_all(ref_proc)
+            for port in ports:
+                release_port(port)
         ref_err.seek(0)
         assert ref_proc.returncode == 0, ref_err.read()[-3000:]
     (expected,) = rows(ref / "summary.csv")

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torchvision
 from helpers import TINY, check_ok, half_size, one_line_error, pp_bytes_per_step, rows, run, run_at_once, tiny_args
-from launches import HALF_MODEL
+from launches import HALF_MODEL, precisions_run
 from test_comm import ddp_calls_per_step
 from test_memory import check_model_state
 
@@ -25,10 +25,8 @@ REFUSED = {("accelerate_DDP.py", "fp16"): "would silently train in fp32",
 
 
 def cases():
-    """Every script at every precision it accepts; a script that needs CUDA refuses --device cpu before its
-    precision matters, once (its precisions train in the GPU tier, and on CPU through accelerate_FSDP-twin)."""
-    return [pytest.param(s, p, id=f"{s.name}-{p}") for s in SCRIPTS
-            for p in (s.precisions[:1] if s.needs_cuda else s.precisions)]
+    """Every script at every precision it accepts (launches.precisions_run: a script that needs CUDA once)."""
+    return [pytest.param(s, p, id=f"{s.name}-{p}") for s in SCRIPTS for p in precisions_run(s)]
 
 
 def check_row(row, script, world, precision, steps=4):
@@ -89,8 +87,8 @@ def _load_bare(final, _mtime, _size, model, image_size):
 
 @pytest.mark.parametrize("entry, precision", cases())
 @pytest.mark.launches("{entry.name}-{precision}")
-def test_every_script_and_precision(launched, entry, precision):
-    r = launched(f"{entry.name}-{precision}")
+def test_every_script_and_precision(runs, entry, precision):
+    (r,) = runs
     if (entry.file, precision) in REFUSED:
         assert r.proc.returncode != 0 and REFUSED[entry.file, precision] in r.proc.stderr, r.proc.stderr[-2000:]
         assert r.rows == []
@@ -118,10 +116,10 @@ def test_every_script_and_precision(launched, entry, precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.launches("accelerate_FSDP-twin-{precision}")
-def test_accelerate_fsdp_cpu_twin(launched, precision):
+def test_accelerate_fsdp_cpu_twin(runs, precision):
     """accelerate's own FSDP2 path (prepare of model and optimizer together, the wrap policy from the
     model's block class, mixed precision with BatchNorm statistics in fp32), forced on over gloo."""
-    r = launched(f"accelerate_FSDP-twin-{precision}")
+    (r,) = runs
     check_ok(r.proc)
     check_row(r.row, "accelerate_FSDP.py", 2, precision)
     load_bare(r.final(), r.row["model"])
@@ -148,8 +146,8 @@ def test_deepspeed_refuses_a_dtype_its_accelerator_lacks(tmp_path, monkeypatch):
 
 
 @pytest.mark.launches("pytorch_DeepSpeed-launcher")
-def test_deepspeed_launcher(launched):
-    r = launched("pytorch_DeepSpeed-launcher")
+def test_deepspeed_launcher(runs):
+    (r,) = runs
     check_ok(r.proc)
     check_row(r.row, "pytorch_DeepSpeed.py", 2, "fp32")
     # under its launcher (LOCAL_SIZE = the world) each rank's backend made a 66 MB buffer in /dev/shm,

@@ -89,7 +89,7 @@ TOLERANCE = 1e-4  # test_equivalence's (4 SGD steps at lr 0.05; here 2)
 @pytest.mark.slow
 @pytest.mark.parametrize("name, world", [("pytorch_TP-fp32", 2), ("pytorch_TP-fp32-dp2", 4)])
 @pytest.mark.launches("pytorch_SingleGPU-vit_b_16", "{name}")
-def test_tp_trains_like_one_process(launched, name, world):
+def test_tp_trains_like_one_process(runs, name, world):
     """pytorch_TP.py on vit_b_16 at 32 px, tp 2 (2 ranks) and tp 2 x dp 2 (4 ranks, FSDP2 over dp), against
     pytorch_SingleGPU.py on the same 2 batches: the same weights within test_equivalence's tolerance; the
     model state each rank holds, as predicted; per step, 4 all-reduces per block (Megatron's f and g,
@@ -101,7 +101,7 @@ def test_tp_trains_like_one_process(launched, name, world):
 
     from common.measure.comm import tp_expected_bytes
 
-    one, r = launched("pytorch_SingleGPU-vit_b_16"), launched(name)
+    one, r = runs
     check_ok(one.proc), check_ok(r.proc)
     row = r.row
     assert row["status"] == "ok" and int(row["world_size"]) == world and int(row["tp_size"]) == 2
