@@ -35,7 +35,8 @@ from common.config import UsageError  # noqa: E402
 
 
 def add_matrix_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="smoke", help="smoke, seed or throughput (config/benchmark.yaml)")
+    p.add_argument("--preset", default="smoke",
+                   help="a preset of the matrix file: smoke, seed, throughput, time or large in config/benchmark.yaml")
     p.add_argument("--only", default="", help="comma-separated scripts or run names of the preset")
     p.add_argument("--matrix", default=os.path.join(ROOT, "config", "benchmark.yaml"), help="matrix file")
     p.add_argument("--log-dir", default="results/logs", help="one log file per run")
