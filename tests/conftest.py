@@ -94,6 +94,20 @@ def pytest_runtest_setup(item):
         launches.ACTIVE.drain()  # a shared launch started ahead does not run beside this test's own work
 
 
+def pytest_collection_modifyitems(config, items):
+    """A launches marker names launches of CASES: a typo found when collected, not as a KeyError in whichever
+    test's setup happens to start the look-ahead (tests/launches.py)."""
+    for item in items:
+        try:
+            unknown = [n for n in launches.marked_needs(item) if n not in launches.CASES]
+        except (KeyError, IndexError, AttributeError) as exc:  # a template field the test has no parameter for
+            raise pytest.UsageError(f"{item.nodeid}: its launches marker has a template it cannot fill: "
+                                    f"{exc!r}") from None
+        if unknown:
+            raise pytest.UsageError(f"{item.nodeid}: its launches marker names {', '.join(unknown)}, "
+                                    "not a launch of tests/launches.py CASES")
+
+
 def pytest_collection_finish(session):
     """Before any end-to-end test: two processes must form a gloo group here, or the suite stops at once
     with why (each launch would otherwise wait out its own timeout: a CI run of 90 minutes, all red)."""
