@@ -72,16 +72,21 @@ def clean_env(env: dict | None = None) -> dict:
     return e
 
 
+def command(script: str, args: list[str], nproc: int = 1, launcher: str = "python", port: int | None = None,
+            launcher_args: tuple = ()) -> list[str]:
+    return [*launcher_cmd(launcher, nproc, port), *launcher_args, script, *args]
+
+
 def start(script: str, args: list[str], nproc: int = 1, launcher: str = "python", env: dict | None = None,
           port: int | None = None, launcher_args: tuple = (), **popen) -> subprocess.Popen:
     """run()'s command, started in the background (popen: Popen's own arguments, such as stdout)."""
-    cmd = [*launcher_cmd(launcher, nproc, port), *launcher_args, script, *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=clean_env(env), text=True, **popen)
+    return subprocess.Popen(command(script, args, nproc, launcher, port, launcher_args), cwd=ROOT,
+                            env=clean_env(env), text=True, **popen)
 
 
 def run(script: str, args: list[str], nproc: int = 1, launcher: str = "python", timeout: int = 300,
         env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(launcher_cmd(launcher, nproc) + [script] + args, cwd=ROOT, env=clean_env(env),
+    return subprocess.run(command(script, args, nproc, launcher), cwd=ROOT, env=clean_env(env),
                           capture_output=True, text=True, timeout=timeout)
 
 
