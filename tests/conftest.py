@@ -198,7 +198,7 @@ def pytest_runtest_protocol(item, nextitem):
         import signal
 
         before = getattr(item, "_procs_before", before)
-        for pid in list(launches.ACTIVE.pids if launches.ACTIVE else ()):  # shared launches the next tests read
+        for pid in launches.ACTIVE.running_pids() if launches.ACTIVE else ():  # shared launches the next tests read
             before |= {pid, *descendants(pid)}
         left = {p: n for p, n in descendants(os.getpid()).items() if p not in before and n not in DAEMONS}
         for pid in left:

@@ -225,6 +225,11 @@ class SharedLaunches:
                     return
                 self._submit(name)
 
+    def running_pids(self) -> list[int]:
+        """The launchers running now (their threads add and remove them)."""
+        with self.lock:
+            return list(self.pids)
+
     def drain(self) -> None:
         """Wait for the launches in flight (their results are kept for the tests that read them)."""
         for name in list(self.futures):
