@@ -179,8 +179,13 @@ def global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
+def grouped() -> bool:
+    """A process group is up: n ranks', or a distributed script's own at world size 1 (init_distributed)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if grouped() else 1
 
 
 # --- collectives: the one rule ---

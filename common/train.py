@@ -40,6 +40,7 @@ from .distributed import (
     barrier,
     broadcast_buffers,
     global_rank,
+    grouped,
     reduce_metrics,
     synchronize,
     world_size,
@@ -282,7 +283,10 @@ def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: 
     devices = hooks.probe_devices or [hooks.device]
     precision = hooks.precision or cfg.precision
     probes = Probes(devices, hooks.device)
-    profiled = cfg.comm_steps if world_size() > 1 else 0
+    # with a process group even a world of one: its collectives still run (gloo copies a reduce-scatter's whole
+    # input, DeepSpeed ZeRO-3's 45 MB of resnet18 gradients: 19 ms a step), and that time is communication, not
+    # compute, as at n ranks (calibrate's one-process entries: an n-rank prediction prices n ranks' collectives)
+    profiled = cfg.comm_steps if grouped() else 0
     comm = [CommRecorder(cfg.comm_steps, hooks.device)] if profiled else []  # its steps precede the window
     parts = StepParts(hooks.device, comm[0] if comm else (_NoProfile() if world_size() > 1 else None))
     state, times = ModelState(cfg, model, hooks.optimizer, hooks.device, probes, precision), StepTimes(hooks.device)

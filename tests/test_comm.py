@@ -109,19 +109,22 @@ def test_fsdp_accumulation_gathers_per_micro_batch_and_reduces_once(tmp_path):
 
 
 def test_recording_follows_comm_steps(monkeypatch):
-    """--comm-steps 0 turns it off; the default records in a world of more than one process."""
+    """--comm-steps 0 turns it off; the default records wherever there is a process group: n ranks, or a
+    distributed script on one process (whose collectives still run); a single-device script has none."""
     import torch
 
     import common.train as train
 
     hooks = TrainHooks(backward=lambda loss: None, step=lambda: None, device=torch.device("cpu"))
     monkeypatch.setattr(train, "Flops", lambda *args: None)  # its FLOP count and matmul probe are not the subject
-    monkeypatch.setattr(train, "world_size", lambda: 2)
     built = lambda cfg: build_instruments(cfg, None, hooks, train.Metrics())  # noqa: E731
-    kinds = [type(i) for i in built(TrainConfig())]
-    assert CommRecorder in kinds and StepTimes in kinds
-    assert not any(isinstance(i, CommRecorder) for i in built(TrainConfig(comm_steps=0)))
-    monkeypatch.setattr(train, "world_size", lambda: 1)
+    for world in (2, 1):
+        monkeypatch.setattr(train, "world_size", lambda: world)
+        monkeypatch.setattr(train, "grouped", lambda: True)
+        kinds = [type(i) for i in built(TrainConfig())]
+        assert CommRecorder in kinds and StepTimes in kinds, world
+        assert not any(isinstance(i, CommRecorder) for i in built(TrainConfig(comm_steps=0))), world
+    monkeypatch.setattr(train, "grouped", lambda: False)
     assert not any(isinstance(i, CommRecorder) for i in built(TrainConfig()))
 
 

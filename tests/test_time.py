@@ -291,6 +291,42 @@ def test_step_model_overlap_link_and_sharding():
     assert predict_step(setup("ddp_zero"), C, FAST, overlap=False).comm_ms > ddp_serial.comm_ms  # + broadcasts
 
 
+def test_a_strategys_own_collectives_at_one_process_are_paid_there_only():
+    """Compute.own_comm_ms, the collectives a distributed script still runs at world size 1 (gloo copies a
+    reduce-scatter's whole input: DeepSpeed ZeRO-3's 45 MB of resnet18 gradients, 19 ms a step), is exposed
+    communication of a one-process run of the strategy; n ranks pay their link's collectives instead."""
+    own = Compute(fwd_ms=20.0, bwd_ms=40.0, opt_ms=6.0, own_comm_ms=19.0)
+    for st in ("ddp", "fsdp_full-shard", "deepspeed_zero3"):
+        one, alone = (predict_step(setup(st, 1), c, Link(), overlap=False) for c in (C, own))
+        assert alone.comm_exposed_ms - one.comm_exposed_ms == pytest.approx(19.0), st
+        assert alone.compute_ms == one.compute_ms and alone.step_ms - one.step_ms == pytest.approx(19.0), st
+        two, both = (predict_step(setup(st), c, FAST, overlap=False) for c in (C, own))
+        assert both.step_ms == pytest.approx(two.step_ms), st
+
+
+def test_a_world_of_one_keeps_its_collectives_out_of_compute_and_sends_nothing():
+    """A distributed script on one process profiles its steps too (common/train.py: a process group, not the
+    world size, decides): the time in its collectives is exposed communication, out of compute, as at n
+    ranks (calibrate's one-process entries then hold no collective); its row's communication columns stay
+    empty, as a world of one sends nothing. A reduce-scatter's clone [40, 60] and its gloo all-reduce
+    [60, 80] in a 100 ns compute phase: 40 ns exposed."""
+    from common.measure.comm import CommRecorder
+
+    rec = CommRecorder(1, torch.device("cpu"))
+    rec.events = [ev("phase:compute", 0, 100), ev("aten::mm", 0, 40), ev("c10d::_reduce_scatter_base_", 40, 20),
+                  ev("aten::clone", 41, 18), ev("gloo:all_reduce", 60, 20, th=9, s=[[10]], d=["float"]),
+                  ev("aten::mm", 80, 20)]
+    rec.done = 1
+    assert not torch.distributed.is_initialized()  # this process: a world of one
+    assert set(rec.row().values()) == {None}
+    assert rec.exposed_ms_per_step() == {"compute": pytest.approx(40 / 1e6)}
+    parts = StepParts(torch.device("cpu"), rec)
+    parts.ms.update(compute=1.0)
+    parts.steps = 1
+    got = parts.local()
+    assert got["step_comm_exposed_ms"] == pytest.approx(40 / 1e6) and got["step_compute_ms"] == pytest.approx(1 - 4e-5)
+
+
 def test_ranks_that_vary_wait_at_their_synchronizing_collective():
     """Compute.sync_ms (the least mean wait of calibrate's lockstep runs) is exposed communication of every
     step of n > 1 ranks that meet at a collective; one process and a pipeline's stages do not add it."""
@@ -1042,6 +1078,9 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
     # the two processes' least wait in lockstep (each meeting is a store round trip: never 0); one has none
     for k, v in data["compute"].items():  # the barrier's own cost is taken off: 0 or more at 2
         assert v["sync_ms"] >= 0 and ("|p2|" in k or v["sync_ms"] == 0), (k, v)
+        # DDP on one process still broadcasts its buffers and all-reduces its buckets: that time is its own,
+        # out of forward and backward; the single-device script has no process group
+        assert (v["own_comm_ms"] > 0) == ("@ddp" in k), (k, v)
     # a pipeline micro-batch of 16 / 2: the four pieces, each with a forward and a backward time
     (pieces,) = data["pieces"].values()
     assert list(data["pieces"]) == [key("resnet18", 32, 8, "fp32", "-", 1, 1)]

@@ -49,7 +49,7 @@ def inputs(opts, setup):
         if got is None:
             return None
         compute = Compute(got["fwd_ms"], got["bwd_ms"], got["opt_ms"], 0.0, f"calibrated on {data['device_name']}",
-                          got.get("sync_ms", 0.0))
+                          got.get("sync_ms", 0.0), got.get("own_comm_ms", 0.0))
         overlap = cuda
     if setup.world_size <= 1:
         from ..measure.timemodel import Link

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 
-from ..config import UsageError, to_flags
+from ..config import TrainConfig, UsageError, to_flags
 from ..names import classification_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -167,8 +167,11 @@ def _concurrent(cmds: list[list[str]], threads: int, what: str) -> tuple[dict, d
     # the entry's compute and optimizer are each the slowest run's: more than the slowest run's sum when
     # different runs are slowest in each, which is skew the wait would count again
     base = compute + opt - max(float(r["step_compute_ms"]) + float(r["step_optimizer_ms"]) for r in got)
+    # a distributed script's collectives at world size 1 (its profiled steps: common/train.py), outside
+    # compute and optimizer; an n-rank prediction prices n ranks' collectives instead, a one-process one this
+    own = max(float(r.get("step_comm_exposed_ms") or 0.0) for r in got)
     return {"fwd_ms": compute / 3, "bwd_ms": 2 * compute / 3, "opt_ms": opt,
-            "sync_ms": max(0.0, _sync_ms(got) - base)}, got[0]
+            "sync_ms": max(0.0, _sync_ms(got) - base), "own_comm_ms": own}, got[0]
 
 
 def _sync_ms(rows: list[dict]) -> float:
@@ -227,7 +230,10 @@ def _strategy_runs(opts, spec: dict, n: int, gpus: int, threads: int, procs: int
         if not s.distributed or s.max_processes or run["gpu_only"] and not gpus:
             continue
         # fp32: the key says so, whatever precision the preset's run trains in
-        run = {**run, "nproc": 1, "args": {**run["args"], **_run_args(spec), "precision": "fp32"}}
+        args = {**run["args"], **_run_args(spec), "precision": "fp32"}
+        # its collectives at one process are profiled in --comm-steps steps before the window: on top
+        args["train_samples"] += spec["batch"] * int(args.get("comm_steps", TrainConfig.comm_steps))
+        run = {**run, "nproc": 1, "args": args}
         cmds = [command(run, gpus, os.devnull)[0] for _ in range(procs)]  # --results, --save-dir follow
         what = f"{run['name']} at 1 process"
         out.append((run["name"], lambda cmds=cmds, what=what: _concurrent(cmds, threads, what)))
@@ -507,8 +513,9 @@ def calibrate(opts) -> int:
                 mode, b = strategies[name]
                 name = key(model, image, b, f"{mode}@{row['strategy']}", optimizer, procs, threads)
             data["compute"][name] = {m: round(v, 4) for m, v in got.items()}
+            own = f", its own collectives at one process {got['own_comm_ms']:.2f} ms" if got.get("own_comm_ms") else ""
             print(f"compute {name}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
-                  f"optimizer {got['opt_ms']:.2f} ms", flush=True)
+                  f"optimizer {got['opt_ms']:.2f} ms{own}", flush=True)
         if n > 1 and opts.microbatches:
             for mode in modes:
                 spec = {"model": model, "image_size": image, "batch": max(1, batch // opts.microbatches),

@@ -20,6 +20,10 @@ results/calibration.json holds, with the machine's fingerprint (device name, CPU
            own launcher. Its compute and optimizer phases carry the strategy's host work (DDP's bucket
            copies, FSDP2's copy-in/copy-out, DeepSpeed's hooks and flat buffers) with no peer to wait
            for; the links add the communication. A run of that strategy reads this entry first.
+           own_comm_ms: the time in the script's own collectives at world size 1 (gloo still copies:
+           DeepSpeed ZeRO-3's gradient reduce-scatter), measured as a run's exposed communication and
+           kept out of forward, backward and optimizer; only a one-process run of the strategy pays it
+           (absent before 2026-11-26: such an entry holds it in its compute, and n ranks pay it twice).
   pieces   per (model, image size, pipeline micro-batch, compute mode, threads): the forward and backward
            ms of a ResNet's four one-stage pieces (stem+layer1, layer2, layer3, layer4+head: the finest
            pipeline split), timed one after another in one process. A pipeline's stage shares come
@@ -101,7 +105,7 @@ def find_compute(data: dict, device_name: str, model: str, image_size: int, batc
     _, b, other, v = min(near)
     scale = batch / b
     return ({"fwd_ms": v["fwd_ms"] * scale, "bwd_ms": v["bwd_ms"] * scale, "opt_ms": v["opt_ms"],
-             "sync_ms": v.get("sync_ms", 0.0)},
+             "sync_ms": v.get("sync_ms", 0.0), "own_comm_ms": v.get("own_comm_ms", 0.0)},
             f"scaled x{scale:.2f} from {other}")
 
 

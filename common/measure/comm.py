@@ -311,6 +311,9 @@ class CommRecorder(Instrument):
         return self.local().get("exposed_ms_by_phase")
 
     def row(self) -> dict:
+        if world_size() == 1:  # a world of one sends nothing: its collectives' time is only step_comm_exposed_ms
+            return dict.fromkeys(("comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step", "busbw_gbps",
+                                  "comm_overlap_pct"))
         local = {k: v for k, v in self.local().items() if k != "exposed_ms_by_phase"}
         out = reduce_metrics(local, self.device, "mean")
         return {k: None if v is None else round(v, 3) for k, v in out.items()}

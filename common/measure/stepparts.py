@@ -24,7 +24,8 @@ wall clock.
 Exposed communication cannot be seen by marks. It is measured over the profiled communication steps
 (common/measure/comm.py, before the window): per phase, the time inside that phase with a collective
 in flight and no compute op on the training thread (on GPU: no compute kernel). That time per step,
-taken out of the phase it fell in, is the window's step_comm_exposed_ms. Single-device rows have none.
+taken out of the phase it fell in, is the window's step_comm_exposed_ms. Single-device rows have none; a
+distributed script on one process has its own collectives' (they still run at world size 1).
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ class StepParts(Instrument):
         out = {"step_data_ms": per["data"], "step_compute_ms": per["compute"], "step_comm_exposed_ms": 0.0,
                "step_optimizer_ms": per["optimizer"], "step_other_ms": per["other"],
                "step_ms_mean": sum(per.values())}
-        if self.comm is None:  # one process: nothing to communicate
+        if self.comm is None:  # no process group: nothing to communicate
             return out
         exposed = self.comm.exposed_ms_per_step()
         if exposed is None:  # --comm-steps 0, or no step profiled: left in the phases it fell in

@@ -105,6 +105,9 @@ class Compute:
     # per step at n ranks: what the ranks' step-to-step variation adds to a synchronous step beyond the
     # slowest rank's mean (calibration.py: the least wait of calibrate's runs in lockstep); 0 on a GPU
     sync_ms: float = 0.0
+    # a distributed script's own collectives at world size 1, exposed (calibration.py own_comm_ms): what a
+    # one-process run of the strategy adds to this compute; n ranks pay their link's collectives instead
+    own_comm_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -413,8 +416,9 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     synced = n > 1 and st not in ("single", "half", "amp", "dp")  # dp: one process
     p.compute_ms = compute
     post += meets * s.meet_ms
-    p.comm_exposed_ms = max(0.0, s.length - compute) + post + (c.sync_ms if synced else 0.0)
-    p.comm_ms = s.comm + post
+    own = c.own_comm_ms if n == 1 else 0.0
+    p.comm_exposed_ms = max(0.0, s.length - compute) + post + (c.sync_ms if synced else 0.0) + own
+    p.comm_ms = s.comm + post + own
     p.calls = None if post_calls is None else s.calls + post_calls
     p.optimizer_ms = c.opt_ms * shard
     return p

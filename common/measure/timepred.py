@@ -74,7 +74,8 @@ class TimePrediction(Instrument):
             # loader_img_s is summed over data-parallel ranks (each loads its share of the global batch)
             # and the slowest stage's for a pipeline (each loads all of it): either way global batch / rate
             data_ms = s.batch_size / self.loader_img_s * 1e3
-        compute = Compute(c["fwd_ms"], c["bwd_ms"], c["opt_ms"], data_ms, why, c.get("sync_ms", 0.0))
+        compute = Compute(c["fwd_ms"], c["bwd_ms"], c["opt_ms"], data_ms, why, c.get("sync_ms", 0.0),
+                          c.get("own_comm_ms", 0.0))
         stages = pieces = None
         if pp:
             from ..models import stages as resnet_stages
