@@ -94,7 +94,8 @@ class TrainConfig(EvalConfig):
     timing_warmup_steps: int = opt(10, "first optimizer steps left out of the timed window (throughput, "
                                    "memory peaks, utilization, step times, energy)", min=0)
     comm_steps: int = opt(3, "distributed runs: profile every collective of N steps right after the warm-up, "
-                          "before the timed window opens (comm_* columns); 0 = off", min=0)
+                          "before the timed window opens (comm_* columns, step_comm_exposed_ms; on one CPU process "
+                          "only the latter); 0 = off", min=0)
     calibration: str = opt("", "the step model's measured inputs (benchmark.py calibrate) for the pred_step_ms "
                            "columns; empty = results/calibration.json")
     lockstep: str = opt("", "HOST:PORT:N of a TCPStore (benchmark.py calibrate sets it): before every optimizer "

@@ -283,12 +283,10 @@ def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: 
     devices = hooks.probe_devices or [hooks.device]
     precision = hooks.precision or cfg.precision
     probes = Probes(devices, hooks.device)
-    # with a process group even a world of one: its collectives still run (gloo copies a reduce-scatter's whole
-    # input, DeepSpeed ZeRO-3's 45 MB of resnet18 gradients: 19 ms a step), and that time is communication, not
-    # compute, as at n ranks (calibrate's one-process entries: an n-rank prediction prices n ranks' collectives)
-    profiled = cfg.comm_steps if grouped() else 0
+    measured = communicates(hooks.device)
+    profiled = cfg.comm_steps if measured else 0
     comm = [CommRecorder(cfg.comm_steps, hooks.device)] if profiled else []  # its steps precede the window
-    parts = StepParts(hooks.device, comm[0] if comm else (_NoProfile() if world_size() > 1 else None))
+    parts = StepParts(hooks.device, comm[0] if comm else (_NoProfile() if measured else None))
     state, times = ModelState(cfg, model, hooks.optimizer, hooks.device, probes, precision), StepTimes(hooks.device)
     setup, strategy = step_setup(cfg, state.setup, precision)
     return [probes, state, *comm, times, parts, TimePrediction(cfg, setup, hooks.device, times, loader_img_s, strategy),
@@ -310,6 +308,16 @@ def step_setup(cfg: TrainConfig, setup, precision: str):
                       world_size=world_size(), precision=precision, optimizer=cfg.optimizer, strategy="single"),
                 "pp_" + getattr(cfg, "schedule", "gpipe").replace("-", "_"))
     return None, ""
+
+
+def communicates(device: torch.device) -> bool:
+    """Whether a run's collectives are profiled: n ranks', and on a CPU a world of one's too, since gloo still
+    runs them on the training thread there (a reduce-scatter clones its whole input: DeepSpeed ZeRO-3's 45 MB of
+    resnet18 gradients, 19 ms a step) and that time is communication, not compute, as at n ranks (calibrate's
+    one-process entries: an n-rank prediction prices n ranks' collectives). NCCL runs a one-rank collective as
+    a device copy or its oneRankReduce kernel (enqueue.cc: nRanks == 1 -> ncclLaunchOneRank), no NCCL kernel
+    to find: the device's own work, compute's."""
+    return grouped() and (world_size() > 1 or device.type != "cuda")
 
 
 class _NoProfile:

@@ -13,6 +13,7 @@ from helpers import ROOT, TINY, check_ok, clean_env, free_port, rows, run, tiny_
 
 from common.config import TrainConfig
 from common.measure.comm import CommRecorder, analyze, expected_bytes
+from common.measure.stepparts import StepParts
 from common.measure.steptime import StepTimes
 from common.train import TrainHooks, build_instruments
 
@@ -118,14 +119,23 @@ def test_recording_follows_comm_steps(monkeypatch):
     hooks = TrainHooks(backward=lambda loss: None, step=lambda: None, device=torch.device("cpu"))
     monkeypatch.setattr(train, "Flops", lambda *args: None)  # its FLOP count and matmul probe are not the subject
     built = lambda cfg: build_instruments(cfg, None, hooks, train.Metrics())  # noqa: E731
+    parts = lambda got: next(i for i in got if isinstance(i, StepParts))  # noqa: E731
     for world in (2, 1):
         monkeypatch.setattr(train, "world_size", lambda: world)
         monkeypatch.setattr(train, "grouped", lambda: True)
-        kinds = [type(i) for i in built(TrainConfig())]
-        assert CommRecorder in kinds and StepTimes in kinds, world
-        assert not any(isinstance(i, CommRecorder) for i in built(TrainConfig(comm_steps=0))), world
+        got = built(TrainConfig())
+        assert CommRecorder in [type(i) for i in got] and StepTimes in [type(i) for i in got], world
+        assert parts(got).comm is next(i for i in got if isinstance(i, CommRecorder))  # its exposed share
+        off = built(TrainConfig(comm_steps=0))
+        assert not any(isinstance(i, CommRecorder) for i in off), world
+        assert parts(off).comm.exposed_ms_per_step() is None, world  # not measured: the column stays empty
+    assert train.communicates(torch.device("cpu")) and not train.communicates(torch.device("cuda"))  # NCCL: 1 rank
+    monkeypatch.setattr(train, "world_size", lambda: 2)
+    assert train.communicates(torch.device("cuda"))
     monkeypatch.setattr(train, "grouped", lambda: False)
-    assert not any(isinstance(i, CommRecorder) for i in built(TrainConfig()))
+    assert not train.communicates(torch.device("cpu"))
+    got = built(TrainConfig())
+    assert not any(isinstance(i, CommRecorder) for i in got) and parts(got).comm is None  # nothing communicates
 
 
 def test_expected_volumes():

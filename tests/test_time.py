@@ -177,6 +177,19 @@ def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypa
         assert sum(got[c] for c in PARTS) == pytest.approx(got["step_ms_mean"], abs=0.01)
 
 
+def test_a_strategy_entry_gets_steps_for_its_profiled_collectives_on_top():
+    """A one-process entry profiles its collectives in --comm-steps steps before its window (the matrix's own
+    spelling too): calibrate adds them to the samples, so the window keeps its --steps timed steps."""
+    from common.bench.calibrate import _strategy_args
+
+    spec = {"device": "cpu", "model": "resnet18", "image_size": 32, "batch": 8, "optimizer": "sgd", "steps": 10,
+            "mode": "fp32"}
+    assert _strategy_args({"precision": "bf16"}, spec)["train_samples"] == 8 * (3 + 3 + 10)  # the default 3
+    assert _strategy_args({"comm-steps": 5}, spec)["train_samples"] == 8 * (3 + 5 + 10)
+    got = _strategy_args({"comm_steps": 0, "precision": "bf16"}, spec)
+    assert got["train_samples"] == 8 * (3 + 10) and got["precision"] == "fp32"
+
+
 def test_calibrate_stops_the_other_runs_when_one_fails():
     """In lockstep the others would wait for a failed run until the store's timeout (300 s): they are
     stopped, and the one that failed first is the one reported."""

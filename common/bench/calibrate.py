@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 
-from ..config import TrainConfig, UsageError, to_flags
+from ..config import DistributedConfig, UsageError, resolve, to_flags
 from ..names import classification_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -229,14 +229,19 @@ def _strategy_runs(opts, spec: dict, n: int, gpus: int, threads: int, procs: int
         s = BY_FILE[run["script"]]
         if not s.distributed or s.max_processes or run["gpu_only"] and not gpus:
             continue
-        # fp32: the key says so, whatever precision the preset's run trains in
-        args = {**run["args"], **_run_args(spec), "precision": "fp32"}
-        # its collectives at one process are profiled in --comm-steps steps before the window: on top
-        args["train_samples"] += spec["batch"] * int(args.get("comm_steps", TrainConfig.comm_steps))
-        run = {**run, "nproc": 1, "args": args}
+        run = {**run, "nproc": 1, "args": _strategy_args(run["args"], spec)}
         cmds = [command(run, gpus, os.devnull)[0] for _ in range(procs)]  # --results, --save-dir follow
         what = f"{run['name']} at 1 process"
         out.append((run["name"], lambda cmds=cmds, what=what: _concurrent(cmds, threads, what)))
+    return out
+
+
+def _strategy_args(args: dict, spec: dict) -> dict:
+    """A preset run's arguments for its one-process entry: the entry's setup in fp32 (the key says so, whatever
+    precision the run trains in), and samples for its --comm-steps on top, which profile its collectives at
+    one process before the window (common/train.py communicates) and would otherwise take the window's steps."""
+    out = {**args, **_run_args(spec), "precision": "fp32"}
+    out["train_samples"] += spec["batch"] * resolve(DistributedConfig, out).comm_steps
     return out
 
 

@@ -25,7 +25,7 @@ Exposed communication cannot be seen by marks. It is measured over the profiled 
 (common/measure/comm.py, before the window): per phase, the time inside that phase with a collective
 in flight and no compute op on the training thread (on GPU: no compute kernel). That time per step,
 taken out of the phase it fell in, is the window's step_comm_exposed_ms. Single-device rows have none; a
-distributed script on one process has its own collectives' (they still run at world size 1).
+distributed script on one CPU process has its own collectives' (gloo still runs them at world size 1).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ COLUMNS = ("step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_opti
 
 class StepParts(Instrument):
     def __init__(self, device: torch.device, comm=None):
-        # comm: the CommRecorder whose profiled steps give the exposed share; None in one process
+        # comm: the CommRecorder whose profiled steps give the exposed share; None where nothing communicates
         self.device, self.comm = device, comm
         self.cuda = device.type == "cuda"
         self.pending: list = []  # (phase, start mark, end mark) of this segment, read at pause (CUDA events)
