@@ -148,7 +148,7 @@ def cleanup(wait_for_all: bool = False) -> None:
     destroy_process_group, leaving gloo's threads to interpreter exit (the likely cause, not proven).
     Seen twice in about 80 CPU runs of pytorch_FSDP.py before this: rank 1 aborting at exit
     ("terminate called without an active exception") while rank 0 was still writing model_final.pt."""
-    if dist.is_available() and dist.is_initialized():
+    if grouped():
         if wait_for_all:
             try:
                 dist.barrier()
@@ -176,7 +176,7 @@ def release_deepspeed_shm() -> None:
 
 
 def global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return dist.get_rank() if grouped() else int(os.environ.get("RANK", "0"))
 
 
 def grouped() -> bool:
@@ -204,7 +204,7 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.
     """In-place all-reduce of a tensor on the run's device, whenever a group exists: a world of one
     still reduces, so a single-GPU machine exercises the same nccl path as a multi-GPU one. group:
     a subgroup (tensor parallelism: the data-parallel ranks), else every rank."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not grouped():
         return tensor
     with torch.profiler.record_function(HARNESS):
         dist.all_reduce(tensor, op=op, group=group)
@@ -219,7 +219,7 @@ def broadcast_buffers(module: torch.nn.Module) -> None:
     _sync_buffers); FSDP2 and DeepSpeed do not, so each rank keeps the statistics of its own
     batches, and an evaluation where each rank scores its shard of the test set would score a mix
     of models, none of them the one saved (rank 0's state_dict)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not grouped() or dist.get_world_size() == 1:
         return
     with torch.profiler.record_function(HARNESS):
         for buf in module.buffers():
@@ -230,7 +230,7 @@ def all_gather_object(obj, group=None) -> list:
     """Every rank's picklable `obj`, in rank order. On nccl the pickled bytes travel as a tensor on
     torch.cuda.current_device() (distributed_c10d.py all_gather_object: `current_device =
     _get_object_coll_device(group)`), so the caller must have set its device, as the runner does."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not grouped():
         return [obj]
     parts = [None] * dist.get_world_size(group)
     with torch.profiler.record_function(HARNESS):
@@ -300,7 +300,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if grouped():
         dist.barrier()
 
 
@@ -326,7 +326,7 @@ def claim_failure_row() -> bool:
     rank that fails later, typically because its peer is gone, finds the claim taken and writes
     nothing, so the run keeps exactly one row and it names the first cause. Without a group, or
     when the store cannot be reached, rank 0 writes as usual."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not grouped() or dist.get_world_size() == 1:
         return global_rank() == 0
     try:
         import datetime

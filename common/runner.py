@@ -13,7 +13,6 @@ import traceback
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from . import registry
 from .config import PROJECT_ROOT, TrainConfig, UsageError, parse_config
@@ -21,6 +20,7 @@ from .distributed import (
     claim_failure_row,
     cleanup,
     global_rank,
+    grouped,
     launched_world_size,
     pick_device,
     restart_pending,
@@ -51,7 +51,7 @@ def base_row(cfg: TrainConfig, script: str, strategy: str, libraries: tuple[str,
         device = torch.device("cpu")
     # a run whose group never formed (a peer lost during init_process_group) was still launched as a
     # world of WORLD_SIZE: its failed row says so rather than 1
-    world = world_size() if dist.is_available() and dist.is_initialized() else launched_world_size()
+    world = world_size() if grouped() else launched_world_size()
     return {
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "script": script, "strategy": strategy, "precision": cfg.precision, "world_size": world,

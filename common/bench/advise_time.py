@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import UsageError
-from ..measure.calibration import compute_mode, find_link, load
+from ..measure.calibration import compute_mode, compute_of, find_link, load
 from ..measure.memory import GIB
 from ..measure.timemodel import Compute, predict_step
 from ..measure.timespec import gpu_compute_ms, link_for
@@ -48,8 +48,7 @@ def inputs(opts, setup):
             _calibrated(*fields, mode, setup.optimizer, procs)
         if got is None:
             return None
-        compute = Compute(got["fwd_ms"], got["bwd_ms"], got["opt_ms"], 0.0, f"calibrated on {data['device_name']}",
-                          got.get("sync_ms", 0.0), got.get("own_comm_ms", 0.0))
+        compute = compute_of(got, 0.0, f"calibrated on {data['device_name']}")
         overlap = cuda
     if setup.world_size <= 1:
         from ..measure.timemodel import Link

@@ -104,9 +104,15 @@ def find_compute(data: dict, device_name: str, model: str, image_size: int, batc
         return None, f"nothing calibrated for {k}"
     _, b, other, v = min(near)
     scale = batch / b
-    return ({"fwd_ms": v["fwd_ms"] * scale, "bwd_ms": v["bwd_ms"] * scale, "opt_ms": v["opt_ms"],
-             "sync_ms": v.get("sync_ms", 0.0), "own_comm_ms": v.get("own_comm_ms", 0.0)},
-            f"scaled x{scale:.2f} from {other}")
+    return {**v, "fwd_ms": v["fwd_ms"] * scale, "bwd_ms": v["bwd_ms"] * scale}, f"scaled x{scale:.2f} from {other}"
+
+
+def compute_of(entry: dict, data_ms: float, source: str):
+    """The step model's Compute of a compute entry (sync_ms and own_comm_ms: 0 in a file written before them)."""
+    from .timemodel import Compute
+
+    return Compute(entry["fwd_ms"], entry["bwd_ms"], entry["opt_ms"], data_ms, source, entry.get("sync_ms", 0.0),
+                   entry.get("own_comm_ms", 0.0))
 
 
 def find_pieces(data: dict | None, device_name: str, model: str, image_size: int, batch: int, mode: str,

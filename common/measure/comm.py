@@ -258,6 +258,9 @@ def analyze(events, n: int, steps: int) -> dict:
             "exposed_ms_by_phase": by_phase}
 
 
+COLUMNS = ("comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step", "busbw_gbps", "comm_overlap_pct")
+
+
 class CommRecorder(Instrument):
     """Profiles `steps` optimizer steps right after the warm-up, before the window opens (stopped early
     at an epoch end)."""
@@ -300,8 +303,7 @@ class CommRecorder(Instrument):
 
     def local(self) -> dict:
         if self.events is None or not self.done:  # nothing recorded (yet): not cached
-            return dict.fromkeys(("comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step", "busbw_gbps",
-                                  "comm_overlap_pct"))
+            return dict.fromkeys(COLUMNS)
         if self._local is None:
             self._local = analyze(self.events, world_size(), self.done)
         return self._local
@@ -312,8 +314,7 @@ class CommRecorder(Instrument):
 
     def row(self) -> dict:
         if world_size() == 1:  # a world of one sends nothing: its collectives' time is only step_comm_exposed_ms
-            return dict.fromkeys(("comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step", "busbw_gbps",
-                                  "comm_overlap_pct"))
+            return dict.fromkeys(COLUMNS)
         local = {k: v for k, v in self.local().items() if k != "exposed_ms_by_phase"}
         out = reduce_metrics(local, self.device, "mean")
         return {k: None if v is None else round(v, 3) for k, v in out.items()}

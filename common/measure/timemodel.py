@@ -78,7 +78,7 @@ wrapper (DeepSpeed's hooks) beyond what the calibration's plain model shows.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -505,7 +505,7 @@ def _tensor_parallel(p: StepPrediction, setup: Setup, c: Compute, link: Link, ov
 
     tp, dp, accum = setup.tp, setup.dp, setup.grad_accum
     share = forward_flops(setup.model, setup.image_size, tp) / forward_flops(setup.model, setup.image_size)
-    local = Compute(c.fwd_ms * share, c.bwd_ms * share, c.opt_ms, c.data_ms, c.source, c.sync_ms)
+    local = replace(c, fwd_ms=c.fwd_ms * share, bwd_ms=c.bwd_ms * share)
     blocks, tokens, hidden = tp_layout(setup.model, setup.image_size)
     act = setup.micro_batch * tokens * hidden
     forward = ITEMSIZE.get(setup.precision, 4)  # autocast: the forward all-reduces carry half outputs

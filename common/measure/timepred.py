@@ -23,8 +23,8 @@ import torch
 
 from ..distributed import world_size
 from . import Instrument
-from .calibration import DEFAULT, compute_mode, find_compute, find_link, find_pieces, load
-from .timemodel import Compute, Link, predict_step
+from .calibration import DEFAULT, compute_mode, compute_of, find_compute, find_link, find_pieces, load
+from .timemodel import Link, predict_step
 
 # StepPrediction.parts() -> the row's columns (common/results.py PRED_TIME_PARTS)
 PARTS = {"data": "pred_data_ms", "compute": "pred_compute_ms", "comm_exposed": "pred_comm_exposed_ms",
@@ -74,8 +74,7 @@ class TimePrediction(Instrument):
             # loader_img_s is summed over data-parallel ranks (each loads its share of the global batch)
             # and the slowest stage's for a pipeline (each loads all of it): either way global batch / rate
             data_ms = s.batch_size / self.loader_img_s * 1e3
-        compute = Compute(c["fwd_ms"], c["bwd_ms"], c["opt_ms"], data_ms, why, c.get("sync_ms", 0.0),
-                          c.get("own_comm_ms", 0.0))
+        compute = compute_of(c, data_ms, why)
         stages = pieces = None
         if pp:
             from ..models import stages as resnet_stages
