@@ -394,10 +394,11 @@ def _time_chart(med: pd.DataFrame, parts: pd.Series, out_dir: str, slug: str) ->
     return path
 
 
-def _time_order(ok: pd.DataFrame, med: pd.DataFrame) -> list[str]:
+def time_pairs(ok: pd.DataFrame, med: pd.DataFrame) -> tuple[int, list[str]]:
     """Does the step model rank the runs as they measured? Only pairs the launches separate: each run's
     step p50 over its launches (at least 2) is a range, and two runs whose ranges do not overlap have a
-    measured order; the predicted one is their median pred_step_ms's."""
+    measured order; the predicted one is their median pred_step_ms's. (the pairs, those predicted out of
+    order)."""
     spread = ok.groupby("label", sort=False).step_ms_p50.agg(["min", "max", "count"])
     runs = [label for label in med.index if spread["count"][label] >= 2 and not math.isnan(med.pred_step_ms[label])]
     pairs, wrong = 0, []
@@ -413,6 +414,11 @@ def _time_order(ok: pd.DataFrame, med: pd.DataFrame) -> list[str]:
             if not med.pred_step_ms[fast] < med.pred_step_ms[slow]:
                 wrong.append(f"{fast} {med.step_ms_p50[fast]:.1f} ms, predicted {med.pred_step_ms[fast]:.1f}, "
                              f"against {slow} {med.step_ms_p50[slow]:.1f}, predicted {med.pred_step_ms[slow]:.1f}")
+    return pairs, wrong
+
+
+def _time_order(ok: pd.DataFrame, med: pd.DataFrame) -> list[str]:
+    pairs, wrong = time_pairs(ok, med)
     if not pairs:
         return []
     return ["", f"Order: {pairs - len(wrong)} of the {pairs} pairs of runs whose launches' step p50 ranges do not "

@@ -2,6 +2,7 @@
 exposed communication by phase (comm.py), the step model (timemodel.py), its calibration and the
 shared runs' columns."""
 import dataclasses
+import os
 import time
 import types
 from contextlib import nullcontext
@@ -938,6 +939,33 @@ def test_predict_again_reads_the_rows_setup_and_a_calibration(tmp_path, capsys):
     bad.write_bytes(b"\x00\xff,\n\"unterminated")
     with pytest.raises(UsageError, match="cannot be read|no ok rows"):
         predict(types.SimpleNamespace(results=str(bad), calibration=str(cal), workers=0))
+
+
+GRIDS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "time_grids")
+# each stored grid as run (its rows' own pred_step_ms; docs/time.md): runs within 15%, the median absolute
+# error in %, the separated pairs predicted out of order
+AS_RUN = {"xeon_2026-11-26_32px": (8, 3.4, 0), "xeon_2026-11-26_64px": (9, 5.8, 0)}
+
+
+@pytest.mark.parametrize("grid", sorted(os.listdir(GRIDS)) if os.path.isdir(GRIDS) else [])
+def test_the_step_model_does_no_worse_on_the_stored_grids(grid):
+    """Grids measured on this project's machines (results/time_grids/: the rows of `benchmark.py --preset time
+    --repeats 3` and the calibration taken before them), predicted again by this checkout's model, what
+    `benchmark.py predict` prints. The bars are the issue's (every run within 15% of its measured median, the
+    median error at most 10%, every pair the launches separate in the measured order) where the grid met them
+    as run, and its figures as run where it did not: a change to the model may mend a grid, never worsen it."""
+    from common.bench.predict import evaluate
+
+    here = os.path.join(GRIDS, grid)
+    ev = evaluate(os.path.join(here, "summary.csv"), os.path.join(here, "calibration.json"))
+    within, median, wrong = AS_RUN[grid]
+    rows, now = ev.scores["in the rows"], ev.scores["now"]
+    assert (rows.within_15, round(rows.median_error_pct, 1), len(rows.wrong)) == (within, median, wrong)
+    assert not ev.missing and now.runs == len(ev.med) >= 12 and now.pairs >= 10, (ev.missing, now)
+    errors = (100 * (ev.med.now_ms / ev.med.step_ms_p50 - 1)).round(1).to_dict()
+    assert now.within_15 >= within, errors
+    assert now.median_error_pct <= max(10.0, median + 0.05), errors
+    assert len(now.wrong) <= wrong, now.wrong
 
 
 def test_report_scaling_puts_the_predicted_efficiency_beside_the_measured(tmp_path):

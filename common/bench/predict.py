@@ -15,6 +15,7 @@ the predicted order of every two runs whose launches' ranges do not overlap (the
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -86,54 +87,88 @@ def _guarded(r, calibration: str, workers: int):
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def predict(opts) -> int:
-    from ..measure.calibration import DEFAULT
-    from ..report import _time_order, launches, load
+@dataclasses.dataclass
+class Score:
+    """The issue's three bars on one set of rows, for one column of predictions."""
+    runs: int  # runs with a prediction
+    median_error_pct: float  # median over the runs of |predicted - measured| / measured, medians over launches
+    within_15: int  # runs predicted within 15%
+    pairs: int  # pairs of runs whose launches' step p50 ranges do not overlap
+    wrong: list  # those of them predicted in the other order, one line each
 
-    if not os.path.isfile(opts.results):
-        raise UsageError(f"results file not found: {opts.results}")
-    calibration = opts.calibration or DEFAULT
-    if not os.path.isfile(calibration):
-        raise UsageError(f"calibration file not found: {calibration} (run benchmark.py calibrate)")
-    ok = launches(load(opts.results))  # an unreadable file: read_rows' one-line UsageError
+
+@dataclasses.dataclass
+class Evaluation:
+    ok: object  # the ok rows, with now_ms and now_<part>_ms
+    med: object  # per run: the medians of step_ms_p50, pred_step_ms (in the rows) and now_ms
+    span: object  # per run: min, max and count of step_ms_p50
+    scores: dict  # "in the rows" and "now": a Score, or None where nothing was predicted
+    missing: list  # "run: why" for rows not predicted now
+
+
+def evaluate(results: str, calibration: str, workers: int = 0) -> Evaluation:
+    """Every ok row of `results` predicted again from `calibration`, and the bars both predictions meet."""
+    from ..report import launches, load, time_pairs
+
+    ok = launches(load(results))  # an unreadable file: read_rows' one-line UsageError
     ok = ok[ok.step_ms_p50.notna()].copy()
     if ok.empty:
-        raise UsageError(f"no ok rows with a measured step in {opts.results}")
-    now, why = zip(*(_guarded(r, calibration, opts.workers) for _, r in ok.iterrows()))
+        raise UsageError(f"no ok rows with a measured step in {results}")
+    now, why = zip(*(_guarded(r, calibration, workers) for _, r in ok.iterrows()))
     ok["now_ms"] = [math.nan if x is None else x.step_ms for x in now]
     for part in PARTS:
         ok[f"now_{part}_ms"] = [math.nan if x is None else x.parts()[part] for x in now]
     missing = sorted({f"{label}: {w}" for label, w in zip(ok.label, why) if w})
     med = ok.groupby("label", sort=False)[["step_ms_p50", "pred_step_ms", "now_ms"]].median()
     span = ok.groupby("label", sort=False).step_ms_p50.agg(["min", "max", "count"])
+    scores = {}
+    for name, col in (("in the rows", "pred_step_ms"), ("now", "now_ms")):
+        e = sorted(abs(100 * (m[col] - m.step_ms_p50) / m.step_ms_p50) for _, m in med.iterrows()
+                   if not math.isnan(m[col]))
+        if not e:
+            scores[name] = None
+            continue
+        pairs, wrong = time_pairs(ok, med.assign(pred_step_ms=med[col]))
+        scores[name] = Score(len(e), statistics.median(e), sum(x <= 15 for x in e), pairs, wrong)
+    return Evaluation(ok, med, span, scores, missing)
+
+
+def predict(opts) -> int:
+    from ..measure.calibration import DEFAULT
+
+    if not os.path.isfile(opts.results):
+        raise UsageError(f"results file not found: {opts.results}")
+    calibration = opts.calibration or DEFAULT
+    if not os.path.isfile(calibration):
+        raise UsageError(f"calibration file not found: {calibration} (run benchmark.py calibrate)")
+    ev = evaluate(opts.results, calibration, opts.workers)
+    med, span = ev.med, ev.span
     print(f"{opts.results}: each run's step predicted again by this checkout's step model from {calibration}; "
           "median over the run's launches (ms):")
     print(f"{'run':32s} {'launches':>8s} {'measured (min-max)':>24s} {'in the rows':>11s} {'err %':>6s} "
           f"{'now':>8s} {'err %':>6s}")
-    errors = {"in the rows": [], "now": []}
     for label, m in med.iterrows():
         cells = []
-        for name, col in (("in the rows", "pred_step_ms"), ("now", "now_ms")):
+        for col in ("pred_step_ms", "now_ms"):
             err = 100 * (m[col] - m.step_ms_p50) / m.step_ms_p50
             cells.append(f"{m[col]:>{11 if col == 'pred_step_ms' else 8}.1f} {err:>+6.1f}" if not math.isnan(err)
                          else f"{'-':>{11 if col == 'pred_step_ms' else 8}s} {'-':>6s}")
-            if not math.isnan(err):
-                errors[name].append(abs(err))
         measured = f"{m.step_ms_p50:.1f} ({span['min'][label]:.1f}-{span['max'][label]:.1f})"
         print(f"{str(label)[:32]:32s} {int(span['count'][label]):>8d} {measured:>24s} {cells[0]} {cells[1]}")
-    for name, col in (("in the rows", "pred_step_ms"), ("now", "now_ms")):
-        e = sorted(errors[name])
-        if not e:
+    for name, sc in ev.scores.items():
+        if sc is None:
             print(f"{name}: no prediction")
             continue
-        mid = statistics.median(e)
-        order = _time_order(ok, med.assign(pred_step_ms=med[col]))
-        print(f"{name}: median error {mid:.1f}%, {sum(x <= 15 for x in e)} of {len(e)} within 15%"
-              + (f"; {order[-1][len('Order: '):]}" if order else ""))
+        order = ""
+        if sc.pairs:
+            order = (f"; {sc.pairs - len(sc.wrong)} of the {sc.pairs} pairs of runs whose launches' step p50 ranges "
+                     "do not overlap are predicted in the measured order"
+                     + (f"; not: {'; '.join(sc.wrong)}." if sc.wrong else "."))
+        print(f"{name}: median error {sc.median_error_pct:.1f}%, {sc.within_15} of {sc.runs} within 15%" + order)
     if getattr(opts, "parts", False):
-        _print_parts(ok)
-    if missing:
-        print("not predicted now: " + "; ".join(missing))
+        _print_parts(ev.ok)
+    if ev.missing:
+        print("not predicted now: " + "; ".join(ev.missing))
     return 0
 
 
