@@ -417,12 +417,14 @@ def time_pairs(ok: pd.DataFrame, med: pd.DataFrame) -> tuple[int, list[str]]:
     return pairs, wrong
 
 
+def pairs_sentence(pairs: int, wrong: list[str]) -> str:
+    return (f"{pairs - len(wrong)} of the {pairs} pairs of runs whose launches' step p50 ranges do not overlap are "
+            "predicted in the measured order" + (f"; not: {'; '.join(wrong)}." if wrong else "."))
+
+
 def _time_order(ok: pd.DataFrame, med: pd.DataFrame) -> list[str]:
     pairs, wrong = time_pairs(ok, med)
-    if not pairs:
-        return []
-    return ["", f"Order: {pairs - len(wrong)} of the {pairs} pairs of runs whose launches' step p50 ranges do not "
-                "overlap are predicted in the measured order" + (f"; not: {'; '.join(wrong)}." if wrong else ".")]
+    return ["", "Order: " + pairs_sentence(pairs, wrong)] if pairs else []
 
 
 def _not_ok(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:

@@ -135,6 +135,7 @@ def evaluate(results: str, calibration: str, workers: int = 0) -> Evaluation:
 
 def predict(opts) -> int:
     from ..measure.calibration import DEFAULT
+    from ..report import pairs_sentence
 
     if not os.path.isfile(opts.results):
         raise UsageError(f"results file not found: {opts.results}")
@@ -159,11 +160,7 @@ def predict(opts) -> int:
         if sc is None:
             print(f"{name}: no prediction")
             continue
-        order = ""
-        if sc.pairs:
-            order = (f"; {sc.pairs - len(sc.wrong)} of the {sc.pairs} pairs of runs whose launches' step p50 ranges "
-                     "do not overlap are predicted in the measured order"
-                     + (f"; not: {'; '.join(sc.wrong)}." if sc.wrong else "."))
+        order = f"; {pairs_sentence(sc.pairs, sc.wrong)}" if sc.pairs else ""
         print(f"{name}: median error {sc.median_error_pct:.1f}%, {sc.within_15} of {sc.runs} within 15%" + order)
     if getattr(opts, "parts", False):
         _print_parts(ev.ok)
