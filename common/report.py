@@ -223,6 +223,7 @@ def _memory_setup(r):
                  world_size=int(r.world_size), precision=precision if precision in ("fp16", "bf16") else "fp32",
                  optimizer=r.optimizer or "sgd", strategy=strategy, grad_accum=int(float(r.grad_accum or 1)),
                  grad_checkpointing=str(r.grad_checkpointing) == "True", bn_fp32="bn32" in suffixes,
+                 channels_last=str(r.get("channels_last")) == "True",
                  zero={"reduce_bucket_size": 50_000_000, "overlap_comm": True, "contiguous_gradients": True},
                  tp=_tp_size(r))
 

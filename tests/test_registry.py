@@ -107,3 +107,25 @@ def test_distributed_config_is_what_multi_process_scripts_use():
     for entry in registry.SCRIPTS:
         cls = config_class(entry.file)
         assert issubclass(cls, DistributedConfig) == entry.distributed, entry.file
+
+
+@pytest.mark.parametrize("name", sorted(matrix.LAUNCHER_MODULES))
+def test_a_launcher_found_nowhere_runs_as_its_module(tmp_path, monkeypatch, name):
+    """`pip install --target` (how a wheel reaches a GPU machine without an index) leaves deepspeed's script
+    neither beside python nor on PATH: the H100 lease of 2026-11-26 lost every DeepSpeed run to that. The
+    fallback must be the very module the installed script runs, and a module `python -m` can run."""
+    import importlib.util
+    from importlib.metadata import distribution, entry_points
+
+    monkeypatch.setattr(matrix.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    module = matrix.LAUNCHER_MODULES[name]
+    assert matrix.tool(name) == [str(tmp_path / "python"), "-m", module]
+    points = [e.value for e in entry_points(group="console_scripts", name=name)]
+    if points:  # torchrun, accelerate: setup.py entry points
+        assert points[0].split(":")[0] == module
+    else:  # deepspeed ships bin/deepspeed as a script file
+        (path,) = [f for f in distribution(name).files if str(f).endswith(f"bin/{name}")]
+        assert f"from {module} import main" in path.read_text()
+    source = open(importlib.util.find_spec(module).origin).read()
+    assert re.search(r"^if __name__ == .__main__.:\n\s+main\(\)", source, re.M)

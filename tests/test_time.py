@@ -942,10 +942,11 @@ def test_predict_again_reads_the_rows_setup_and_a_calibration(tmp_path, capsys):
 
 
 GRIDS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "time_grids")
-# each stored grid as run (its rows' own pred_step_ms; docs/time.md): runs within 15%, the median absolute
-# error in %, the separated pairs predicted out of order
-AS_RUN = {"xeon_2026-11-26_32px": (8, 3.4, 0), "xeon_2026-11-26_64px": (9, 5.8, 0)}
-
+# each stored grid: its runs, and its figures as run (its rows' own pred_step_ms; docs/time.md): runs within
+# 15%, the median absolute error in %, the separated pairs predicted out of order. None: the rows predicted
+# nothing themselves (the H100's calibration ran after its runs, in the same lease), so the bars apply.
+AS_RUN = {"xeon_2026-11-26_32px": (12, (8, 3.4, 0)), "xeon_2026-11-26_64px": (12, (9, 5.8, 0)),
+          "h100_2026-11-26_throughput": (5, None)}
 
 STORED = sorted(g for g in os.listdir(GRIDS) if os.path.isfile(os.path.join(GRIDS, g, "summary.csv"))) \
     if os.path.isdir(GRIDS) else []
@@ -964,15 +965,20 @@ def test_the_step_model_does_no_worse_on_the_stored_grids(grid):
     here = os.path.join(GRIDS, grid)
     ev = evaluate(os.path.join(here, "summary.csv"), os.path.join(here, "calibration.json"))
     assert grid in AS_RUN, f"{grid}: add its figures as run to AS_RUN"
-    within, median, wrong = AS_RUN[grid]
+    runs, as_run = AS_RUN[grid]
     rows, now = ev.scores["in the rows"], ev.scores["now"]
-    assert (rows.within_15, round(rows.median_error_pct, 1), len(rows.wrong)) == (within, median, wrong)
-    assert not ev.missing and now.runs == len(ev.med) >= 12 and now.pairs == rows.pairs, (ev.missing, now)
+    if as_run is None:
+        assert rows is None
+        within, median, wrong = runs, 10.0, 0
+    else:
+        within, median, wrong = as_run
+        assert (rows.within_15, round(rows.median_error_pct, 1), len(rows.wrong)) == (within, median, wrong)
+        assert now.pairs == rows.pairs
+    assert not ev.missing and now.runs == len(ev.med) == runs, (ev.missing, now)
     errors = (100 * (ev.med.now_ms / ev.med.step_ms_p50 - 1)).round(1).to_dict()
     assert now.within_15 >= within, errors
     assert now.median_error_pct <= max(10.0, median + 0.05), errors
     assert len(now.wrong) <= wrong, now.wrong
-
 
 def test_report_scaling_puts_the_predicted_efficiency_beside_the_measured(tmp_path):
     """--world-sizes rows: the measured efficiency (throughput / (the smallest world's x w / w0)) and the

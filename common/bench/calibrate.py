@@ -370,10 +370,12 @@ def _links(world: int, device: str, threads: int, max_bytes: str = "32M", repeat
 
 def _collectives(world: int, device: str, threads: int, max_bytes: str, min_bytes: str = "256") -> dict:
     """One launch of benchmarks/collectives.py: {(kind, S bytes): seconds}."""
+    from .matrix import tool
+
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "c.json")
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(world),
+        cmd = [*tool("torchrun"), "--nproc_per_node", str(world),
                "--master_port", str(_free_port()), os.path.join(ROOT, "benchmarks", "collectives.py"),
                "--device", device, "--min-bytes", min_bytes, "--max-bytes", max_bytes, "--iters", "10", "--json", out,
                # a step's collectives find their buffers out of cache, and meet ranks coming from their work

@@ -141,12 +141,24 @@ def visible_gpu_ids() -> list[str] | None:
     return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
 
 
-def tool(name: str) -> str:
-    """A launcher from this interpreter's environment (bin/ beside python), else from PATH."""
+# The module behind each launcher's console script (torch's, deepspeed's and accelerate's setup.py
+# entry points; each module ends in `if __name__ == "__main__": main()`).
+LAUNCHER_MODULES = {"torchrun": "torch.distributed.run", "deepspeed": "deepspeed.launcher.runner",
+                    "accelerate": "accelerate.commands.accelerate_cli"}
+
+
+def tool(name: str) -> list[str]:
+    """A launcher's command: its script beside this python (bin/ of the venv), else on PATH, else
+    `python -m` its module. The last catches installs whose scripts went elsewhere (`pip install
+    --target`, `--user` without ~/.local/bin on PATH), where the package imports but its script is not
+    found: without it every run of that launcher fails to start."""
     import shutil
 
     beside = os.path.join(os.path.dirname(sys.executable), name)
-    return beside if os.path.exists(beside) else (shutil.which(name) or beside)
+    if os.path.exists(beside):
+        return [beside]
+    found = shutil.which(name)
+    return [found] if found else [sys.executable, "-m", LAUNCHER_MODULES[name]]
 
 
 def launcher(script: str, nproc: int, gpus: int, port: int) -> list[str]:
@@ -164,14 +176,14 @@ def launcher(script: str, nproc: int, gpus: int, port: int) -> list[str]:
     if s.launcher == "deepspeed":
         ids = visible_gpu_ids()
         if not gpus or ids is None:
-            return [tool("deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port)]
+            return [*tool("deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port)]
         if all(i.isdigit() for i in ids):
-            return [tool("deepspeed"), "--include", "localhost:" + ",".join(ids[:nproc]), "--master_port", str(port)]
+            return [*tool("deepspeed"), "--include", "localhost:" + ",".join(ids[:nproc]), "--master_port", str(port)]
     if s.launcher == "accelerate" and gpus:
-        return [tool("accelerate"), "launch", "--config_file", s.accelerate_config,
+        return [*tool("accelerate"), "launch", "--config_file", s.accelerate_config,
                 "--num_processes", str(nproc), "--main_process_port", str(port)]
     # torchrun; also accelerate on CPU, where `accelerate launch --cpu --num_processes 2` starts one process
-    return [tool("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port)]
+    return [*tool("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port)]
 
 
 def command(run: dict, gpus: int, results: str) -> tuple[list[str], int]:

@@ -69,8 +69,9 @@ def repredict(r, calibration: str, workers: int):
     micro = 1 if math.isnan(_num(r.microbatches)) else int(_num(r.microbatches))
     if not math.isnan(_num(getattr(r, "workers", math.nan))):  # rows from before the column: --workers
         workers = int(_num(r.workers))
+    # tf32 picks the TF32 entry on CUDA (timepred.compute_mode); channels_last is in the Setup (_memory_setup)
     cfg = types.SimpleNamespace(calibration=calibration, microbatches=micro, workers=workers,
-                                batch_size=int(r.global_batch_size), split="")
+                                batch_size=int(r.global_batch_size), split="", tf32=str(r.get("tf32")) == "True")
     cuda = str(r.device) == "cuda"
     threads = 1 if cuda or math.isnan(_num(r.cpu_threads)) else int(_num(r.cpu_threads))
     where = (r.device_name, 1 if cuda else int(r.world_size), threads)
