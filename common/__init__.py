@@ -14,23 +14,32 @@
     measure/      the instruments: probes, fingerprint, loader, ...
 """
 from . import fastexit  # noqa: F401  (first: see its docstring)
-from .checkpoint import (
-    AccelerateCheckpointer,
-    Checkpointer,
-    DCPCheckpointer,
-    DeepSpeedCheckpointer,
-    RankCheckpointer,
-    ZeroCheckpointer,
-    save_final,
-)
-from .config import DistributedConfig, EvalConfig, TrainConfig, UsageError, opt, parse_config
-from .data import build_loaders, per_rank_batch
-from .distributed import DistInfo, barrier, cleanup, global_rank, init_distributed, pick_device, require_single_process
-from .models import build_model
-from .optim import build_optimizer, build_scheduler, optimizer_spec, steps_per_epoch
-from .precision import DTYPES, ScaledStep, check_dtype_support, configure_backends
-from .runner import launch
-from .train import Metrics, TrainHooks, evaluate, fit
+# The names the scripts import, each from its module on first use (PEP 562): a process that needs one
+# module (benchmark.py's driver, a report, a results append) does not pay torch and torchvision's import
+# (5 s on a slow 2-core host) for the others.
+_FROM = {
+    "AccelerateCheckpointer": "checkpoint", "Checkpointer": "checkpoint", "DCPCheckpointer": "checkpoint",
+    "DeepSpeedCheckpointer": "checkpoint", "RankCheckpointer": "checkpoint", "ZeroCheckpointer": "checkpoint",
+    "save_final": "checkpoint", "DistributedConfig": "config", "EvalConfig": "config", "TrainConfig": "config",
+    "UsageError": "config", "opt": "config", "parse_config": "config", "build_loaders": "data",
+    "per_rank_batch": "data", "DistInfo": "distributed", "barrier": "distributed", "cleanup": "distributed",
+    "global_rank": "distributed", "init_distributed": "distributed", "pick_device": "distributed",
+    "require_single_process": "distributed", "build_model": "models", "build_optimizer": "optim",
+    "build_scheduler": "optim", "optimizer_spec": "optim", "steps_per_epoch": "optim", "DTYPES": "precision",
+    "ScaledStep": "precision", "check_dtype_support": "precision", "configure_backends": "precision",
+    "launch": "runner", "Metrics": "train", "TrainHooks": "train", "evaluate": "train", "fit": "train",
+}
+
+
+def __getattr__(name: str):
+    if name not in _FROM:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_FROM[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AccelerateCheckpointer", "Checkpointer", "DCPCheckpointer", "DeepSpeedCheckpointer", "RankCheckpointer",

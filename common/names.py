@@ -3,12 +3,12 @@ classes of the data set and the torchvision classifiers a run may name. config.p
 while parsing, models.py builds the models, data.py labels with the classes."""
 from __future__ import annotations
 
-import torchvision
-
 NUM_CLASSES = 10  # CIFAR10, and the synthetic stand-in
 
 
 def classification_models() -> list[str]:
+    import torchvision  # here, not above: a process that only names classes or parses flags skips its import
+
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
