@@ -14,6 +14,7 @@
     measure/      the instruments: probes, fingerprint, loader, ...
 """
 from . import fastexit  # noqa: F401  (first: see its docstring)
+
 # The names the scripts import, each from its module on first use (PEP 562): a process that needs one
 # module (benchmark.py's driver, a report, a results append) does not pay torch and torchvision's import
 # (5 s on a slow 2-core host) for the others.
