@@ -42,6 +42,10 @@ def __getattr__(name: str):
     return value
 
 
+def __dir__():
+    return sorted(set(globals()) | set(_FROM))
+
+
 __all__ = [
     "AccelerateCheckpointer", "Checkpointer", "DCPCheckpointer", "DeepSpeedCheckpointer", "RankCheckpointer",
     "ZeroCheckpointer",

@@ -1,6 +1,6 @@
-"""Names other modules check against, at the bottom of the import graph (torchvision only): the
-classes of the data set and the torchvision classifiers a run may name. config.py checks --model
-while parsing, models.py builds the models, data.py labels with the classes."""
+"""Names other modules check against, at the bottom of the import graph (torchvision only, imported when
+the models are listed): the classes of the data set and the torchvision classifiers a run may name.
+config.py checks --model while parsing, models.py builds the models, data.py labels with the classes."""
 from __future__ import annotations
 
 NUM_CLASSES = 10  # CIFAR10, and the synthetic stand-in

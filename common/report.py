@@ -210,7 +210,8 @@ def _main_table(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
 
 def _memory_setup(r):
     """The memory model's Setup of a row (None when the row names no strategy the model knows). The
-    DeepSpeed JSON is not in the row: the shipped configs' bucket sizes are assumed."""
+    DeepSpeed JSON is not in the row: the shipped one of the row's stage is assumed (config/zero_stage<N>_
+    config.json; stage 1's sets neither overlap_comm nor the bucket, and the step model prices both)."""
     from .measure.memory import STRATEGIES, Setup
 
     strategy = {"pytorch_half_precision.py": "half", "pytorch_auto_mixed_precision.py": "amp"}.get(r.script,
@@ -224,8 +225,19 @@ def _memory_setup(r):
                  optimizer=r.optimizer or "sgd", strategy=strategy, grad_accum=int(float(r.grad_accum or 1)),
                  grad_checkpointing=str(r.grad_checkpointing) == "True", bn_fp32="bn32" in suffixes,
                  channels_last=str(r.get("channels_last")) == "True",
-                 zero={"reduce_bucket_size": 50_000_000, "overlap_comm": True, "contiguous_gradients": True},
-                 tp=_tp_size(r))
+                 zero=_shipped_zero(strategy), tp=_tp_size(r))
+
+
+def _shipped_zero(strategy: str) -> dict:
+    """The zero_optimization section of the shipped DeepSpeed JSON of a DeepSpeed strategy's stage, else
+    the one section the other strategies were always given (none of them reads it)."""
+    import json
+
+    stage = re.fullmatch(r"(?:accelerate_)?deepspeed_zero(\d)(?:_offload)?", strategy)
+    if stage is None:
+        return {"reduce_bucket_size": 50_000_000, "overlap_comm": True, "contiguous_gradients": True}
+    with open(os.path.join(PROJECT_ROOT, "config", f"zero_stage{stage.group(1)}_config.json")) as fh:
+        return json.load(fh).get("zero_optimization", {})
 
 
 def _tp_size(r) -> int:

@@ -9,7 +9,6 @@ import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-BIN = os.path.dirname(sys.executable)
 
 from common.config import to_flags  # noqa: E402
 from common.distributed import free_port  # noqa: E402
@@ -57,11 +56,12 @@ def release_port(port: int | None) -> None:
 
 
 def launcher_cmd(launcher: str, nproc: int, port: int | None = None) -> list[str]:
+    from common.bench.matrix import tool  # benchmark.py's own lookup: a --target install runs them too
+
     if launcher == "torchrun":
-        return [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(nproc), "--master_port",
-                str(port or free_port())]
+        return [*tool("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port or free_port())]
     if launcher == "deepspeed":
-        return [os.path.join(BIN, "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port or free_port())]
+        return [*tool("deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port or free_port())]
     return [sys.executable]
 
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import ROOT, TINY, check_ok, clean_env, free_port, rows, run, tiny_args
 
+from common.bench.matrix import tool
 from common.config import TrainConfig
 from common.measure.comm import CommRecorder, analyze, expected_bytes
 from common.measure.stepparts import StepParts
@@ -270,7 +271,7 @@ def test_world_sizes_rows_ddp_volume_and_efficiency(tmp_path):
 @pytest.mark.parametrize("cold", [[], ["--cold", "--meet"]])  # what calibrate times on a CPU
 def test_collectives_benchmark_runs(cold, tmp_path):
     out = tmp_path / "c.json"
-    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
+    proc = subprocess.run([*tool("torchrun"), "--nproc_per_node", "2",
                            "--master_port", str(free_port()), "benchmarks/collectives.py", "--device", "cpu",
                            "--min-bytes", "64K", "--max-bytes", "64K", "--iters", "1", "--warmup", "1", *cold,
                            "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=clean_env())

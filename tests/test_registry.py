@@ -72,7 +72,8 @@ def test_deepspeed_keeps_the_visible_gpus(monkeypatch, visible, gpus, expected):
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    cmd = [os.path.basename(c) for c in matrix.launcher("pytorch_DeepSpeed.py", gpus or 2, gpus, 29500)]
+    monkeypatch.setattr(matrix, "tool", lambda name: [name])  # the flags are the point here, not the lookup
+    cmd = matrix.launcher("pytorch_DeepSpeed.py", gpus or 2, gpus, 29500)
     assert cmd[:3] == expected
 
 
@@ -110,7 +111,7 @@ def test_distributed_config_is_what_multi_process_scripts_use():
 
 
 @pytest.mark.parametrize("name", sorted(matrix.LAUNCHER_MODULES))
-def test_a_launcher_found_nowhere_runs_as_its_module(tmp_path, monkeypatch, name):
+def test_a_launcher_not_beside_python_runs_as_its_module(tmp_path, monkeypatch, name):
     """`pip install --target` (how a wheel reaches a GPU machine without an index) leaves deepspeed's script
     neither beside python nor on PATH: the H100 lease of 2026-11-26 lost every DeepSpeed run to that. The
     fallback must be the very module the installed script runs, and a module `python -m` can run."""
@@ -118,7 +119,11 @@ def test_a_launcher_found_nowhere_runs_as_its_module(tmp_path, monkeypatch, name
     from importlib.metadata import distribution, entry_points
 
     monkeypatch.setattr(matrix.sys, "executable", str(tmp_path / "python"))
-    monkeypatch.setenv("PATH", str(tmp_path))
+    other = tmp_path / "other-env"  # a script on PATH may start its workers under another python: not taken
+    other.mkdir()
+    (other / name).write_text("#!/bin/sh\n")
+    (other / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(other))
     module = matrix.LAUNCHER_MODULES[name]
     assert matrix.tool(name) == [str(tmp_path / "python"), "-m", module]
     points = [e.value for e in entry_points(group="console_scripts", name=name)]

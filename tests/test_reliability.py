@@ -1,13 +1,13 @@
 """Failure paths of every run: a row with the right status, or one line and nothing written."""
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import BIN, ROOT, check_ok, clean_env, one_line_error, rows, run, tiny_args
+from helpers import ROOT, check_ok, clean_env, one_line_error, rows, run, tiny_args
 
 from common import runner
+from common.bench.matrix import tool
 from common.distributed import free_port
 from common.results import COLUMNS
 
@@ -144,7 +144,7 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_result(tmp
     wrapper = tmp_path / "kill_rank1.py"
     wrapper.write_text(KILL_AFTER_EPOCH_1.format(root=ROOT))
     killed, whole = tmp_path / "killed", tmp_path / "whole"
-    proc = subprocess.run([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--max-restarts", "1",
+    proc = subprocess.run([*tool("torchrun"), "--nproc_per_node", "2", "--max-restarts", "1",
                            "--master_port", str(free_port()), str(wrapper),
                            *tiny_args(killed, epochs=3, resume="auto")],
                           cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)

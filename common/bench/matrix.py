@@ -148,17 +148,24 @@ LAUNCHER_MODULES = {"torchrun": "torch.distributed.run", "deepspeed": "deepspeed
 
 
 def tool(name: str) -> list[str]:
-    """A launcher's command: its script beside this python (bin/ of the venv), else on PATH, else
-    `python -m` its module. The last catches installs whose scripts went elsewhere (`pip install
-    --target`, `--user` without ~/.local/bin on PATH), where the package imports but its script is not
-    found: without it every run of that launcher fails to start."""
+    """A launcher's command: its script beside this python (bin/ of the venv), else `python -m` its
+    module where this python imports it, else the script on PATH. The second catches installs whose
+    scripts went elsewhere (`pip install --target`, `--user` without ~/.local/bin on PATH), where every
+    run of that launcher failed to start; it comes before PATH, whose script may belong to another
+    environment and start the workers under another python."""
+    import importlib.util
     import shutil
 
     beside = os.path.join(os.path.dirname(sys.executable), name)
     if os.path.exists(beside):
         return [beside]
-    found = shutil.which(name)
-    return [found] if found else [sys.executable, "-m", LAUNCHER_MODULES[name]]
+    module = LAUNCHER_MODULES[name]
+    try:
+        importable = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # the package itself is missing
+        importable = False
+    found = None if importable else shutil.which(name)
+    return [found] if found else [sys.executable, "-m", module]
 
 
 def launcher(script: str, nproc: int, gpus: int, port: int) -> list[str]:
@@ -227,7 +234,10 @@ def execute(run: dict, i: int, n: int, gpus: int, results: str, log_dir: str, t0
     suffix = f"__repeat{run['args']['repeat']}" if run.get("repeats", 1) > 1 else ""
     log_path = os.path.join(log_dir, run["name"].replace("/", "__") + suffix + ".log")
     start = time.time()
-    name = os.path.basename(cmd[0]) if BY_FILE[run["script"]].distributed else "python"
+    name = "python"
+    if BY_FILE[run["script"]].distributed:  # the launcher run, also when started as `python -m` its module
+        name = {m: k for k, m in LAUNCHER_MODULES.items()}.get(cmd[2], cmd[2]) if cmd[1:2] == ["-m"] \
+            else os.path.basename(cmd[0])
     print(f"[{i}/{n}] {label(run)} ({name} x{nproc})", flush=True)
     lines: list[str] = []
     with open(log_path, "w") as log:
