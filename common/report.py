@@ -230,12 +230,12 @@ def _memory_setup(r):
 
 def _shipped_zero(strategy: str) -> dict:
     """The zero_optimization section of the shipped DeepSpeed JSON of a DeepSpeed strategy's stage, else
-    the one section the other strategies were always given (none of them reads it)."""
+    none (only the DeepSpeed strategies read it)."""
     import json
 
     stage = re.fullmatch(r"(?:accelerate_)?deepspeed_zero(\d)(?:_offload)?", strategy)
     if stage is None:
-        return {"reduce_bucket_size": 50_000_000, "overlap_comm": True, "contiguous_gradients": True}
+        return {}
     with open(os.path.join(PROJECT_ROOT, "config", f"zero_stage{stage.group(1)}_config.json")) as fh:
         return json.load(fh).get("zero_optimization", {})
 
