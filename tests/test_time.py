@@ -355,6 +355,8 @@ def test_ranks_that_vary_wait_at_their_synchronizing_collective():
     assert predict_step(setup("ddp", 1), synced, FAST, overlap=False).step_ms == pytest.approx(66.0)
     dp = [predict_step(setup("dp"), c, FAST, overlap=False) for c in (C, synced)]  # one process, n devices
     assert dp[0].step_ms == pytest.approx(dp[1].step_ms)
+    # over one GPU DataParallel is its module (the H100's 120 steps: 136.5 ms, the single device's 137.3)
+    assert predict_step(setup("dp", 1), C, Link(), overlap=True).step_ms == pytest.approx(66.0)
     pp = [predict_step(setup("ddp"), c, FAST, overlap=False, strategy="pp_gpipe", microbatches=2, stages=[2, 2])
           for c in (C, synced)]
     assert pp[0].step_ms == pytest.approx(pp[1].step_ms)
@@ -824,6 +826,94 @@ def test_a_rows_predicted_components_add_up_to_its_predicted_step(tmp_path, monk
                              None, "ddp").row()
     assert all(missing[f"pred_{p}_ms"] is None for p in ("data", "compute", "comm_exposed", "optimizer"))
     assert "pred_step_ms" in missing["notes"]
+
+
+def _single_cal(tmp_path, entry: dict, batch: int) -> str:
+    """A calibration of this CPU with one plain entry for resnet18 at 32 px."""
+    import json
+
+    from common.measure.fingerprint import device_name
+
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"device_name": device_name(torch.device("cpu")), "links": {}, "compute": {
+        key("resnet18", 32, batch, "fp32", "sgd", 1, torch.get_num_threads()): entry}}))
+    return str(cal)
+
+
+def test_loader_workers_bound_the_step_and_an_inline_loader_adds_to_it(tmp_path, monkeypatch):
+    """Workers build batches while the step runs: the step is max(work, batch / loader rate), the excess as
+    data. In the process (--workers 0) loading adds, once a step whatever --grad-accum splits it into."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cal = _single_cal(tmp_path, {"fwd_ms": 10.0, "bwd_ms": 20.0, "opt_ms": 5.0}, 32)
+
+    def pred(workers, rate, accum=1):
+        setup = Setup(model="resnet18", image_size=32, batch_size=32 * accum, world_size=1, strategy="single",
+                      grad_accum=accum)
+        cfg = TrainConfig(calibration=cal, workers=workers, batch_size=32 * accum)
+        got, why = TimePrediction(cfg, setup, torch.device("cpu"), None, rate, "single").predict()
+        assert why is None, why
+        return got
+
+    assert pred(2, 3200.0).step_ms == 35.0 and pred(2, 3200.0).data_ms == 0.0  # 10 ms to load: hidden
+    slow = pred(2, 400.0)  # 80 ms to load 32 images, 35 of work
+    assert slow.step_ms == pytest.approx(80.0) and slow.data_ms == pytest.approx(45.0) and slow.compute_ms == 30.0
+    assert pred(0, 3200.0).step_ms == pytest.approx(45.0)
+    # two micro-batches of 32 at 3,200 img/s: 20 ms of loading a step, not 40
+    assert pred(0, 3200.0, accum=2).data_ms == pytest.approx(20.0)
+
+
+class SleepySamples(torch.utils.data.Dataset):
+    """Each sample takes `wait_s` to build, in a worker that sleeps rather than computes: the loader's
+    rate is workers / (batch x wait_s) on any host."""
+
+    def __init__(self, n, wait_s):
+        self.n, self.wait_s = n, wait_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.wait_s)
+        return torch.randn(3, 2, 2), i % 10
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_a_loader_bound_run_is_predicted_from_its_probed_rate(tmp_path, monkeypatch):
+    """CPU twin of a small batch on a fast GPU (ResNet50 AMP at 32 images on an H100 with 2 workers: 32.6 ms
+    a step against 25.2 ms of work): 3 workers of 200 ms a batch, a step of 1-2 ms. The probe counts whole
+    rounds of workers (its 5 batches become 6), so the rate it gives is the one training meets, and the
+    prediction from it lands on the measured step."""
+    from torch.utils.data import DataLoader
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    got = {}
+
+    def instruments(cfg, model, hooks, m, loader_img_s=None, *_):
+        got["rate"] = loader_img_s
+        got.setdefault("parts", [StepTimes(hooks.device), StepParts(hooks.device)])
+        return got["parts"]
+
+    monkeypatch.setattr("common.train.build_instruments", instruments)
+    loader = DataLoader(SleepySamples(4 * 27, 0.050), batch_size=4, num_workers=3)
+    # 5 batches from the first of round 1 end in round 2, ready with the first: 5 in one round without the
+    # rounding up to 6, 1.67x the rate
+    cfg = TrainConfig(epochs=1, timing_warmup_steps=6, log_every=0, batch_size=4, loader_probe_batches=5, workers=3)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooks = TrainHooks(lambda loss: loss.backward(), lambda: (opt.step(), opt.zero_grad()), torch.device("cpu"),
+                       ctx=nullcontext(), evaluate=lambda *a, **k: (0.5, 10))
+    row = fit(cfg, model, loader, None, hooks).extra
+    assert got["rate"] == pytest.approx(60.0, rel=0.25)  # 3 workers x 4 images / 200 ms
+    cal = _single_cal(tmp_path, {"fwd_ms": 0.5, "bwd_ms": 0.5, "opt_ms": 0.5}, 4)
+    setup = Setup(model="resnet18", image_size=32, batch_size=4, world_size=1, strategy="single")
+    pred, why = TimePrediction(TrainConfig(calibration=cal, workers=3, batch_size=4), setup, torch.device("cpu"),
+                               None, got["rate"], "single").predict()
+    assert why is None, why
+    # the window's time a step (its rate), not the median: a round of sleeping workers lands at once, so
+    # 2 of its 3 steps find their batch ready and the median is one of those
+    steps = [round(x) for x in got["parts"][0].ms]
+    assert pred.step_ms == pytest.approx(row["step_ms_mean"], rel=0.15), (pred, row["step_ms_mean"], steps)
+    assert pred.data_ms > 10 * pred.compute_ms and row["step_data_ms"] > 0.6 * row["step_ms_mean"]
 
 
 def test_report_shows_components_and_prediction(tmp_path):

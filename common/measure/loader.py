@@ -2,10 +2,10 @@
 
 The logic of benchmarks/loader_throughput.py inside the run: `loader_probe_batches` batches are
 drawn from the run's own training loader and moved to the device (synchronized), the first one
-(worker start-up) untimed, every rank starting after a garbage collection and a barrier. Where every
-rank's pipeline feeds its own share of the global batch (data parallel) the figure is summed over
-ranks; where each rank reads the whole global batch (a pipeline's stages, pytorch_PP.py) it is the
-slowest rank's. It is compared
+(worker start-up) untimed, or with W workers their first round, the count rounded up to whole rounds,
+every rank starting after a garbage collection and a barrier. Where every rank's pipeline feeds its
+own share of the global batch (data parallel) the figure is summed over ranks; where each rank reads
+the whole global batch (a pipeline's stages, pytorch_PP.py) it is the slowest rank's. It is compared
 with the training throughput at the end: a pipeline that is not clearly faster than training caps it
 (the warning says so). The probe leaves the training untouched: the loader's random state is restored,
 and the sampler's order depends on the epoch alone.
@@ -20,7 +20,18 @@ from ..distributed import barrier, reduce_metrics, synchronize, world_size
 
 def probe_loader(loader, cfg, hooks) -> float | None:
     """Images per second of the pipeline over all ranks, or None when switched off."""
-    batches = min(cfg.loader_probe_batches, len(loader) - 1)
+    batches = cfg.loader_probe_batches
+    if batches < 1:
+        return None
+    # W workers each build whole batches, so they arrive in rounds of W, round r at about (r + 1) x T. The
+    # clock runs from the first batch of round 1 to the first of round k + 1: k x W batches in k x T. Round
+    # 0 is the workers' start (3 sleeping workers: rounds 60-150 ms apart where 40 was due); 10 batches
+    # of 8 workers from the first one would take 1 round with 7 ready beside it: 1.25x the rate
+    workers = getattr(loader, "num_workers", 0)
+    first = workers if workers > 1 else 0
+    if workers > 1:
+        batches = -(-batches // workers) * workers
+    batches = min(batches, len(loader) - 1 - first)
     if batches < 1:
         return None
     from ..checkpoint import rng_state, set_rng_state
@@ -34,18 +45,21 @@ def probe_loader(loader, cfg, hooks) -> float | None:
         barrier()
     state = rng_state(loader)
     images, start, per_batch = 0, None, 0
-    for i, (x, _) in enumerate(loader):
+    # held until the clock stops: an iterator without persistent workers joins them when let go (a batch long)
+    batches_it = iter(loader)
+    for i, (x, _) in enumerate(batches_it):
         per_batch = x.shape[0]
         x = x.to(hooks.device, non_blocking=True)
-        if i == 0:
+        if i <= first:
             synchronize(hooks.device)
             start = time.perf_counter()
             continue
         images += x.shape[0]
-        if i == batches:
+        if i == first + batches:
             break
     synchronize(hooks.device)
     elapsed = time.perf_counter() - start
+    del batches_it
     set_rng_state(state, loader)
     rate = images / elapsed if elapsed > 0 else None
     copies = per_batch * world_size() / cfg.batch_size  # ranks that load each image

@@ -328,7 +328,9 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     post = 0.0  # collectives outside the backward (before the forward, after the optimizer step), exposed
     post_calls = 0  # the number of those collectives
     meets = 0  # the meetings among them: a run of collectives with compute before it
-    if st in ("single", "half", "amp") or n == 1 and st not in ("dp",):
+    if st in ("single", "half", "amp") or n == 1:
+        # DataParallel over one GPU calls its module and returns (torch/nn/parallel/data_parallel.py
+        # forward: len(self.device_ids) == 1): no weights broadcast, no gradients reduced
         _forward_backward(s, us, c)
     elif st == "dp":
         post_calls = None  # torch.cuda.comm's copies, not a process group's collectives
