@@ -32,7 +32,8 @@ def add_args(p) -> None:
     p.add_argument("--parts", action="store_true", help="also each run's components, measured against predicted now "
                    "(data, compute, exposed communication, optimizer; ms, medians over the launches)")
     p.add_argument("--workers", type=int, default=0, help="loader workers of rows from before the `workers` column "
-                   "(a row that has it is read as it ran): 0 counts the loader's time per step in the prediction")
+                   "(a row that has it is read as it ran): 0 adds the loader's time per step to the prediction, "
+                   "N > 0 makes it a bound the step cannot go below")
 
 
 def _num(value) -> float:
@@ -70,7 +71,7 @@ def repredict(r, calibration: str, workers: int):
     if not math.isnan(_num(getattr(r, "workers", math.nan))):  # rows from before the column: --workers
         workers = int(_num(r.workers))
     # tf32 picks the TF32 entry on CUDA (timepred.compute_mode); channels_last is in the Setup (_memory_setup)
-    cfg = types.SimpleNamespace(calibration=calibration, microbatches=micro, workers=workers,
+    cfg = types.SimpleNamespace(calibration=calibration, microbatches=micro, workers=workers, loader=r.get("loader"),
                                 batch_size=int(r.global_batch_size), split="", tf32=str(r.get("tf32")) == "True")
     cuda = str(r.device) == "cuda"
     threads = 1 if cuda or math.isnan(_num(r.cpu_threads)) else int(_num(r.cpu_threads))

@@ -32,6 +32,8 @@ def probe_loader(loader, cfg, hooks) -> float | None:
     if workers > 1:
         batches = -(-batches // workers) * workers
     batches = min(batches, len(loader) - 1 - first)
+    if workers > 1:  # a short loader's cap keeps whole rounds too (8 batches of 2 workers: 4, not 5)
+        batches -= batches % workers
     if batches < 1:
         return None
     from ..checkpoint import rng_state, set_rng_state

@@ -225,10 +225,36 @@ def saved_activation_bytes(model_name: str, image_size: int, batch: int, dtype: 
     x = torch.empty(batch, 3, image_size, image_size, device="meta", dtype=dtype)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    with _block_tracker(model, current), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with _block_tracker(model, current), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            _fused_attention():
         logits = model(x)
         torch.nn.functional.cross_entropy(logits.float(), torch.zeros(batch, dtype=torch.long, device="meta"))
     return sum(seen.values()), per_stage
+
+
+@contextmanager
+def _fused_attention():
+    """The walks' attention as the devices run it. On the meta device scaled_dot_product_attention takes the
+    math path (aten attention.cpp _fused_sdp_choice_meta returns math), which saves the softmax's B x heads x
+    L x L weights. A training step's attention without a mask or dropout runs a fused kernel instead, on
+    CUDA (efficient attention in fp32, flash in half) and on a CPU (_scaled_dot_product_flash_attention_for_cpu):
+    it saves the output and a logsumexp of B x heads x L. The walks price the efficient kernel's saves,
+    whose meta kernels exist for forward and backward (torch/_meta_registrations.py); the others' differ by
+    the logsumexp's padding to 32."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or dropout_p > 0 or enable_gqa or query.device.type != "meta":
+            return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, None, True, 0.0,
+                                                                      is_causal, scale=scale)[0]
+
+    torch.nn.functional.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
 
 
 @functools.lru_cache(maxsize=64)
@@ -287,12 +313,12 @@ def backward_curve(model_name: str, image_size: int, batch: int, dtype: torch.dt
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), _fused_attention():
             logits = model(x)
             loss = torch.nn.functional.cross_entropy(logits.float(), torch.zeros(batch, dtype=torch.long,
                                                                                   device="meta"))
-        start = state["alive"]
-        loss.backward()
+            start = state["alive"]
+            loss.backward()
     finally:
         for h in handles:
             h.remove()

@@ -72,7 +72,8 @@ On a GPU NCCL kernels run beside compute kernels: overlap=True.
 Components, as the measured step_*_ms columns: data, compute (forward + backward), comm_exposed (the
 schedule's length beyond compute, plus the collectives after the optimizer), optimizer.
 Known limits: no kernel-level contention between overlapped collectives and compute (NCCL takes
-SMs), per-unit (not per-layer) readiness, the loader as measured or ignored, no host overhead of a
+SMs), per-unit (not per-layer) readiness, the loader as measured (added inline, a bound with workers:
+timepred.py), no host overhead of a
 wrapper (DeepSpeed's hooks) beyond what the calibration's plain model shows.
 """
 from __future__ import annotations

@@ -8,19 +8,21 @@ one process's forward, backward and optimizer time at the run's micro-batch and 
 this strategy's script run on one process where calibrate ran it, else of the single-device script), and
 the collectives' latency and bus bandwidth at the run's world size. The input pipeline's time per
 step comes from this run's loader_img_s (measured before training). With the loader in the training
-process (--workers 0) it adds to the step. With workers, they produce the next batches while the step
-runs (the DataLoader keeps prefetch_factor batches a worker in flight), so the step waits only for what
-production takes beyond its own work: step = max(work, global batch / loader_img_s), the excess as data.
-On a GPU that bound is what a small batch meets: ResNet50/224 in AMP bf16 at batch 32 on an H100 with 2
-workers measured 32.6 ms a step against 25.2 ms of calibrated work (980 img/s; the row was not kept, and
-8 workers probed 1,320-4,530 img/s on that machine). On a CPU the workers also take cores from the
-step, which the model does not price.
+process (--workers 0, or --loader gpu, whose transforms run on the step's stream) it adds to the step.
+With workers, they produce the next batches while the step runs (the DataLoader keeps prefetch_factor
+batches a worker in flight), so the step waits only for what production takes beyond its own work:
+step = max(work, global batch / loader_img_s), the excess as data. On a GPU a small batch can meet that
+bound: ResNet50/224 in AMP bf16 at batch 32 on an H100 with 2 workers measured 32.6 ms a step against
+25.2 ms of calibrated work (980 img/s; the row was not kept, and 8 workers probed 1,320-4,530 img/s on
+that machine), most likely loader-bound. On a CPU the workers also take cores from the step, which the
+model does not price.
 Nothing of the timed window enters the prediction. Its components, pred_data_ms, pred_compute_ms,
 pred_comm_exposed_ms and pred_optimizer_ms, add up to pred_step_ms and stand beside the measured
 step_*_ms (the model has no `other`). pred_time_error_pct = (pred_step_ms - step_ms_p50) / step_ms_p50
-x 100: the median step, which a pause or a slow first step does not move. A loader-bound run with
-workers in step with each other is the exception: a round of W batches lands at once, and W - 1 of its
-steps find their batch waiting, so its median is one of those and the mean step is the one to compare.
+x 100: the median step, which a pause or a slow first step does not move. A loader-bound run whose
+workers finish in step with each other is the exception: a round of W batches lands at once, and W - 1 of
+its steps find their batch waiting, so its median is one of those and its mean step is the one to compare
+(workers with real transforms drift apart: the H100 run above had a p50 of 32.6 ms, the bound).
 Without a calibration for the run the columns stay empty and the notes say what is missing.
 """
 from __future__ import annotations
@@ -80,7 +82,8 @@ class TimePrediction(Instrument):
         # loader_img_s is summed over data-parallel ranks (each loads its share of the global batch) and
         # the slowest stage's for a pipeline (each loads all of it): either way global batch / rate a step
         load_ms = s.batch_size / self.loader_img_s * 1e3 if self.loader_img_s else 0.0
-        inline = cfg.workers == 0
+        # --loader gpu has no workers: its transforms run on the step's own stream, before the forward
+        inline = cfg.workers == 0 or getattr(cfg, "loader", "torch") == "gpu"
         # Compute.data_ms is one micro-batch's: predict_step counts it grad_accum times a step
         compute = compute_of(c, load_ms / max(1, s.grad_accum) if inline else 0.0, why)
         stages = pieces = None
