@@ -16,8 +16,9 @@ compute entries launched round by round (every entry once, then again), the coll
 over the world size's entries (its start, middle and end).
 On a CPU the compute is measured by n processes at once, each with the threads a run of n ranks gets,
 meeting before every optimizer step as the ranks of a job do (--lockstep).
-With --microbatches, a ResNet's four one-stage pieces are also timed one after another at the
-pipeline's micro-batch (a pipeline's stage shares).
+At n > 1 a ResNet's four one-stage pieces are also timed one after another at the data-parallel
+micro-batch (when a rank's units' gradients are ready) and with --microbatches at the pipeline's (its
+stage shares).
 Entries are merged into the file: a setup measured again replaces its entry; a file calibrated on
 another device is replaced whole.
 """
@@ -439,6 +440,8 @@ def calibrate(opts) -> int:
     import yaml
 
     from ..measure.calibration import fingerprint, key, load, save
+    from ..measure.memory import meta_model
+    from ..models import stages
 
     with open(opts.matrix) as fh:
         presets = (yaml.safe_load(fh) or {}).get("presets", {})
@@ -523,19 +526,22 @@ def calibrate(opts) -> int:
             own = f", its own collectives at one process {got['own_comm_ms']:.2f} ms" if got.get("own_comm_ms") else ""
             print(f"compute {name}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
                   f"optimizer {got['opt_ms']:.2f} ms{own}", flush=True)
-        if n > 1 and opts.microbatches:
-            for mode in modes:
-                spec = {"model": model, "image_size": image, "batch": max(1, batch // opts.microbatches),
-                        "mode": mode, "device": device.type, "steps": opts.steps}
-                k = key(model, image, spec["batch"], mode, "-", 1, threads)
-                if k in timed:  # a GPU's threads are 1 at every world size: the same key
-                    continue
-                timed.add(k)
-                draws = [_piece_times(spec, threads) for _ in range(max(1, opts.repeats))]
-                got = _median_pieces(draws) if draws[0] else None
-                if got:
-                    data.setdefault("pieces", {})[k] = got
-                    print(f"pieces {k}: " + ", ".join(f"{f:.2f}+{b:.2f} ms" for f, b in got), flush=True)
+        # a pipeline's micro-batch (its stage shares) and the data-parallel ranks' (when their units'
+        # gradients are ready: timemodel.time_shares)
+        micro = sorted({max(1, batch // d) for d in ([opts.microbatches] if opts.microbatches else []) + [n]})
+        resnet = n > 1 and bool(stages(meta_model(model, image_size=image)))  # the pieces are a ResNet's stages
+        for mode, b in [(m, b) for m in modes for b in micro] if resnet else []:
+            spec = {"model": model, "image_size": image, "batch": b, "mode": mode, "device": device.type,
+                    "steps": opts.steps}
+            k = key(model, image, spec["batch"], mode, "-", 1, threads)
+            if k in timed:  # a GPU's threads are 1 at every world size: the same key
+                continue
+            timed.add(k)
+            draws = [_piece_times(spec, threads) for _ in range(max(1, opts.repeats))]
+            got = _median_pieces(draws) if draws[0] else None
+            if got:
+                data.setdefault("pieces", {})[k] = got
+                print(f"pieces {k}: " + ", ".join(f"{f:.2f}+{b:.2f} ms" for f, b in got), flush=True)
         if n > 1:
             links, meet = _links(n, device.type, threads, max_bytes, opts.repeats, tuple(early), min_bytes)
             data["links"][str(n)] = links

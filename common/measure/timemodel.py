@@ -42,6 +42,7 @@ order; a collective starts when its inputs are ready and the link is free:
                          issued async and waited together (stage3.py _post_step ->
                          partition_parameters.py _allgather_params_coalesced: resnet18's 50; its rows
                          count 53 collectives a step: these, the forward's one, a reduce-scatter, the norm)
+  deepspeed_zero0        the gradients all-reduced after the whole backward in 5e8-element buffers
   dp                     (one process, n GPUs) weights broadcast and gradients reduced, not overlapped
   tp, tp_fsdp            the tp rank's share of the FLOPs, plus 4 activation all-reduces per block and
                          micro-batch, exposed (the next op waits on each); tp_fsdp adds FSDP over dp
@@ -65,16 +66,20 @@ Ranks that vary from step to step wait for each other at the step's synchronizin
 ranks (not a pipeline, whose stages wait by design) the step gains Compute.sync_ms, as exposed
 communication (where the measured columns put a collective's wait).
 
-overlap=False puts communication and compute on one resource: on a CPU the gloo threads run on the
-cores the training thread uses, so nothing is hidden (comm_overlap_pct there is concurrency only).
+overlap=False puts communication and compute on one resource: on a CPU the training thread waits on
+FSDP's, ZeRO's and DeepSpeed's collectives (their rows' comm_overlap_pct is 0), so nothing is hidden.
+DDP's buckets are the exception: gloo all-reduces them on its own threads beside the backward (62-84%
+overlapped in the Xeon grids), which then loses CPU_BESIDE_COST of the time they hide, a fitted share.
 On a GPU NCCL kernels run beside compute kernels: overlap=True.
 
 Components, as the measured step_*_ms columns: data, compute (forward + backward), comm_exposed (the
 schedule's length beyond compute, plus the collectives after the optimizer), optimizer.
+A unit's share of the forward and backward time is its FLOP share, or for a ResNet its piece's measured
+share (calibrate times the four pieces) spread by FLOPs: when a bucket is ready (time_shares).
 Known limits: no kernel-level contention between overlapped collectives and compute (NCCL takes
-SMs), per-unit (not per-layer) readiness, the loader as measured (added inline, a bound with workers:
-timepred.py), no host overhead of a
-wrapper (DeepSpeed's hooks) beyond what the calibration's plain model shows.
+SMs; on a CPU one fitted share for DDP), per-unit (not per-layer) readiness, the loader as measured
+(added inline, a bound with workers: timepred.py), no host overhead of a wrapper (DeepSpeed's hooks)
+beyond what the calibration's plain model shows.
 """
 from __future__ import annotations
 
@@ -93,6 +98,14 @@ GLOO_THREADS = 2  # ProcessGroupGloo::Options threads{2}: a process group's asyn
 DDP_WRAPPED = ("ddp", "accelerate_ddp", "ddp_zero")
 # deepspeed/runtime/zero/config.py: max_reuse_distance and param_persistence_threshold's defaults
 DS_REUSE_DISTANCE, DS_PERSISTENCE = 1_000_000_000, 100_000
+DS_ALLREDUCE_ELEMENTS = 500_000_000  # deepspeed/runtime/engine.py MEMORY_OPT_ALLREDUCE_SIZE: ZeRO-0's buffers
+# The share of the time DDP's buckets run beside the backward on a CPU that the backward loses to them. Fitted
+# to the four Xeon grids of 2026-11-26/27 (2 gloo ranks of one thread, resnet18): their rows put it at
+# 0.2-0.5 at 32 px and 0-0.1 at 64 px (measured compute above its entry over the time hidden); 0.3 gives
+# their 12 DDP-family runs the least mean absolute error (6.5%; 1.0, about hiding nothing: 9.1%). Alone, an
+# all-reduce of 1-44 MiB keeps 0.66-0.83 of a core busy a rank (getrusage), but much of that waits in the
+# transport and yields to compute.
+CPU_BESIDE_COST = 0.3
 
 
 @dataclass(frozen=True)
@@ -291,13 +304,33 @@ def _on_lanes(times: list[float], lanes: int) -> float:
     return max(free)
 
 
-def _forward_backward(s: _Schedule, us, c: Compute) -> tuple[list[int], list[int]]:
+def time_shares(us, pieces: list | None = None) -> tuple[list[float], list[float]]:
+    """Per unit, its share of the forward and of the backward time: the FLOP share, or with the measured
+    (fwd_ms, bwd_ms) of a ResNet's four one-stage pieces (stem+layer1, layer2, layer3, layer4+head:
+    calibrate times them) each piece's measured share spread over its units by FLOPs. On a CPU the two
+    differ most where it matters for a bucket's readiness: resnet18's layer4+head holds 23% of the FLOPs and,
+    batch 64 at 32 px on one thread, 42% of the backward time (63% at batch 8; 37% at 64 px), and it runs first."""
+    flops = [u.share for u in us]
+    piece = {"stem": 0, "head": 3, "layer1": 0, "layer2": 1, "layer3": 2, "layer4": 3}
+    of = [piece.get(u.name.split(".")[0]) for u in us]
+    if not pieces or len(pieces) != 4 or None in of:
+        return flops, flops
+    out = []
+    for col in (0, 1):
+        total = sum(p[col] for p in pieces) or 1.0
+        in_piece = [sum(f for f, k in zip(flops, of) if k == j) or 1.0 for j in range(4)]
+        out.append([pieces[k][col] / total * f / in_piece[k] for f, k in zip(flops, of)])
+    return out[0], out[1]
+
+
+def _forward_backward(s: _Schedule, us, c: Compute, shares=None) -> tuple[list[int], list[int]]:
+    fs, bs = shares or (([u.share for u in us],) * 2)
     fwd, bwd, last = [], [None] * len(us), ()
-    for u in us:
-        fwd.append(s.add("compute", c.fwd_ms * u.share, last))
+    for i in range(len(us)):
+        fwd.append(s.add("compute", c.fwd_ms * fs[i], last))
         last = (fwd[-1],)
     for i in reversed(range(len(us))):
-        bwd[i] = s.add("compute", c.bwd_ms * us[i].share, last)
+        bwd[i] = s.add("compute", c.bwd_ms * bs[i], last)
         last = (bwd[i],)
     return fwd, bwd
 
@@ -306,8 +339,9 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
                  microbatches: int = 1, stages: list[int] | None = None,
                  pieces: list | None = None) -> StepPrediction:
     """The predicted step of `setup` (its strategy, or `strategy` for pp_* that the memory model does not
-    know); c is one rank's compute at the setup's micro-batch. pieces: a pipeline's measured forward and
-    backward ms of the model's four one-stage pieces (calibration.find_pieces), else FLOP shares."""
+    know); c is one rank's compute at the setup's micro-batch. pieces: the measured forward and backward ms
+    of the model's four one-stage pieces (calibration.find_pieces): a pipeline's stage shares, the others'
+    unit shares (time_shares), else FLOP shares."""
     st = strategy or setup.strategy
     n = setup.world_size
     us = units(setup.model, setup.image_size)
@@ -321,10 +355,17 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     p = StepPrediction(data_ms=c.data_ms * setup.grad_accum)
     if st.startswith("pp_"):
         return _pipeline(p, us, c, link, overlap, n, microbatches, stages or [], setup, pieces, st)
-    s = _Schedule(overlap, link.meet_ms if n > 1 else 0.0)
+    shares = time_shares(us, pieces)
+    # DDP's buckets go out beside the backward on a CPU too: the Reducer hands each to the process group
+    # and waits for them all only at the backward's end (reducer.cpp finalize_backward), and gloo runs an
+    # all-reduce on its own worker threads (ProcessGroupGloo enqueue -> runLoop), not the caller's. The rows
+    # measure it: comm_overlap_pct 62-84% for DDP and accelerate's DDP in the four Xeon grids of
+    # 2026-11-26/27, 0% for FSDP and DeepSpeed ZeRO-1/2, whose collectives the training thread waits on.
+    beside = not overlap and st in DDP_WRAPPED and n > 1
+    s = _Schedule(overlap or beside, link.meet_ms if n > 1 else 0.0)
     accum = setup.grad_accum
     for _ in range(accum - 1):  # micro-batches before the last: no gradient communication (no_sync)
-        _forward_backward(s, us, c)
+        _forward_backward(s, us, c, shares)
     shard = 1.0
     post = 0.0  # collectives outside the backward (before the forward, after the optimizer step), exposed
     post_calls = 0  # the number of those collectives
@@ -332,16 +373,23 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     if st in ("single", "half", "amp") or n == 1:
         # DataParallel over one GPU calls its module and returns (torch/nn/parallel/data_parallel.py
         # forward: len(self.device_ids) == 1): no weights broadcast, no gradients reduced
-        _forward_backward(s, us, c)
+        _forward_backward(s, us, c, shares)
     elif st == "dp":
         post_calls = None  # torch.cuda.comm's copies, not a process group's collectives
-        _forward_backward(s, us, c)
+        _forward_backward(s, us, c, shares)
         post = link.ms("broadcast", numel * 4, 2) + link.ms("reduce", numel * 4, 2)  # torch.cuda.comm, per GPU
     elif st in ("ddp", "accelerate_ddp", "ddp_zero", "deepspeed_zero0"):
-        _, bwd = _forward_backward(s, us, c)
+        _, bwd = _forward_backward(s, us, c, shares)
         params = [(i, x) for i, u in enumerate(us) for x in u.params]
         prev = ()
-        for unit, nbytes in _buckets(params, g_bytes, FIRST_BUCKET_BYTES, BUCKET_BYTES):
+        if st == "deepspeed_zero0":
+            # no hooks: engine.backward -> allreduce_gradients -> buffered_allreduce_fallback after the whole
+            # backward, in buffers of MEMORY_OPT_ALLREDUCE_SIZE (5e8) elements (deepspeed/runtime/engine.py)
+            buckets = [(0, b) for _, b in _buckets(params, g_bytes, DS_ALLREDUCE_ELEMENTS * g_bytes,
+                                                    DS_ALLREDUCE_ELEMENTS * g_bytes)]
+        else:
+            buckets = _buckets(params, g_bytes, FIRST_BUCKET_BYTES, BUCKET_BYTES)
+        for unit, nbytes in buckets:
             prev = (s.add("comm", link.ms("all_reduce", nbytes, n), (bwd[unit], *prev)),)
         if st in DDP_WRAPPED:  # not DeepSpeed's ZeRO-0: its engine broadcasts the weights once, at start-up
             # before every forward that follows a synchronizing backward DDP broadcasts rank 0's buffers
@@ -377,7 +425,7 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
             # partitioned_param_coordinator.fetch_sub_module: the queue prefetched up to this many elements
             # (0: no prefetch, each module gathers its own: priced per unit)
             prefetch = int(z.get("stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET))
-        _fsdp(s, us, c, link, n, w_bytes, g_bytes, regather, persist, bucket, prefetch)
+        _fsdp(s, us, c, link, n, w_bytes, g_bytes, regather, persist, bucket, prefetch, shares)
         if st.startswith(("deepspeed", "accelerate_deepspeed")):
             post, meets, post_calls = link.ms("all_reduce", 4, n), 1, 1  # the norm (stage3.py _get_norm_groups)
             # the persistent weights' optimizer state is partitioned too: stage3.py _post_step all-gathers
@@ -391,7 +439,7 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
                 post, post_calls = post + link.ms("all_reduce", 4, n), post_calls + 1
     elif st.startswith(("deepspeed_zero1", "deepspeed_zero2", "accelerate_deepspeed_zero1",
                         "accelerate_deepspeed_zero2")):
-        _, bwd = _forward_backward(s, us, c)
+        _, bwd = _forward_backward(s, us, c, shares)
         params = [(i, x) for i, u in enumerate(us) for x in u.params]
         z = setup.zero
         cap = int(z.get("reduce_bucket_size", DS_REDUCE_BUCKET)) * g_bytes
@@ -412,15 +460,20 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     elif st in ("tp", "tp_fsdp"):
         return _tensor_parallel(p, setup, c, link, overlap)
     else:
-        _forward_backward(s, us, c)
+        _forward_backward(s, us, c, shares)
         post_calls = None
         p.notes.append(f"{st}: no communication model; compute and optimizer only")
     compute = (c.fwd_ms + c.bwd_ms) * accum
     synced = n > 1 and st not in ("single", "half", "amp", "dp")  # dp: one process
+    exposed = max(0.0, s.length - compute)
+    if beside:
+        # what the buckets beside the backward take from it on a CPU, whose cores the training thread and
+        # gloo's threads share: fitted, not derived (docs/time.md "DDP's buckets on a CPU")
+        compute += CPU_BESIDE_COST * max(0.0, s.comm - exposed)
     p.compute_ms = compute
     post += meets * s.meet_ms
     own = c.own_comm_ms if n == 1 else 0.0
-    p.comm_exposed_ms = max(0.0, s.length - compute) + post + (c.sync_ms if synced else 0.0) + own
+    p.comm_exposed_ms = exposed + post + (c.sync_ms if synced else 0.0) + own
     p.comm_ms = s.comm + post + own
     p.calls = None if post_calls is None else s.calls + post_calls
     p.optimizer_ms = c.opt_ms * shard
@@ -428,11 +481,13 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
 
 
 def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_bytes: int, regather: bool,
-          persist: int = 0, bucket: int = 0, prefetch: int = 0) -> None:
+          persist: int = 0, bucket: int = 0, prefetch: int = 0, shares=None) -> None:
     """FSDP2 (and ZeRO-3) per unit; the stem and head form the root unit, gathered first. ZeRO-3: weights
     of at most `persist` elements are not gathered in the forward (the caller gathers them after the step),
     the others in coalesced calls of up to `prefetch` elements (DeepSpeed's prefetch bucket; 0: per unit),
-    and the gradients are reduce-scattered in buckets of `bucket` bytes as they are ready, not per unit."""
+    and the gradients are reduce-scattered in buckets of `bucket` bytes as they are ready, not per unit.
+    shares: the units' forward and backward time shares (time_shares), else their FLOP shares."""
+    fs, bs = shares or (([u.share for u in us],) * 2)
     def gathered(u) -> int:
         return sum(x for x in u.params if x > persist)
 
@@ -457,23 +512,23 @@ def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_byte
                 ags.append(s.add("comm", link.ms("all_gather", chunks[len(ags)] * w_bytes, n), last))
             deps = (*last, ags[chunk_of[i]]) if i in chunk_of else last
             if i == len(us) - 1 and len(us) > 1:  # the head: its forward and backward back to back
-                done[i] = s.add("compute", c.fwd_ms * us[i].share + c.bwd_ms * us[i].share, deps)
+                done[i] = s.add("compute", c.fwd_ms * fs[i] + c.bwd_ms * bs[i], deps)
                 last = (done[i],)
             else:
-                fwd[i] = s.add("compute", c.fwd_ms * us[i].share, deps)
+                fwd[i] = s.add("compute", c.fwd_ms * fs[i], deps)
                 last = (fwd[i],)
     else:
         ag_root = s.add("comm", link.ms("all_gather", root * w_bytes, n)) if root else None
         last = (ag_root,) if ag_root is not None else ()
         if len(us) > 1:
-            fwd[0] = s.add("compute", c.fwd_ms * us[0].share, last)
+            fwd[0] = s.add("compute", c.fwd_ms * fs[0], last)
             last = (fwd[0],)
         for i in blocks:
             ag = s.add("comm", link.ms("all_gather", size[i] * w_bytes, n), (ag_root,) if ag_root is not None else ())
-            fwd[i] = s.add("compute", c.fwd_ms * us[i].share, (*last, ag))
+            fwd[i] = s.add("compute", c.fwd_ms * fs[i], (*last, ag))
             last = (fwd[i],)
         if len(us) > 1:
-            done[len(us) - 1] = s.add("compute", c.fwd_ms * us[-1].share + c.bwd_ms * us[-1].share, last)
+            done[len(us) - 1] = s.add("compute", c.fwd_ms * fs[-1] + c.bwd_ms * bs[-1], last)
             last = (done[len(us) - 1],)
     order = list(reversed(blocks))
     gathers = {}
@@ -483,12 +538,12 @@ def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_byte
         if regather and k + 1 < len(order):  # prefetch the next unit's gather when this one starts
             j = order[k + 1]
             gathers[j] = s.add("comm", link.ms("all_gather", size[j] * w_bytes, n), last)
-        b = done[i] = s.add("compute", c.bwd_ms * us[i].share, (*last, gathers[i]) if regather else last)
+        b = done[i] = s.add("compute", c.bwd_ms * bs[i], (*last, gathers[i]) if regather else last)
         if not bucket:
             s.add("comm", link.ms("reduce_scatter", grads[i] * g_bytes, n), (b,))
         last = (b,)
     if len(us) > 1:
-        b = done[0] = s.add("compute", c.bwd_ms * us[0].share, last)
+        b = done[0] = s.add("compute", c.bwd_ms * bs[0], last)
         if not bucket:
             s.add("comm", link.ms("reduce_scatter", (grads[0] + grads[len(us) - 1]) * g_bytes, n), (b,))
     if bucket:  # a bucket goes when its earliest unit's backward is done

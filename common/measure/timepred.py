@@ -97,6 +97,8 @@ class TimePrediction(Instrument):
                 return None, "the step model splits a pipeline at ResNet stages only (not at blocks)"
             stages = plan(model, s.world_size, cfg.split)
             pieces = find_pieces(data, name, s.model, s.image_size, micro, mode, rest[2])
+        elif s.world_size > 1:  # when each of its units' gradients is ready (timemodel.time_shares)
+            pieces = find_pieces(data, name, s.model, s.image_size, micro, mode, rest[2], nearest=True)
         pred = predict_step(s, compute, link, overlap=cuda, strategy=self.strategy,
                             microbatches=getattr(cfg, "microbatches", 1), stages=stages, pieces=pieces)
         if not inline and load_ms > pred.step_ms:
