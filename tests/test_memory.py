@@ -284,3 +284,32 @@ def test_advise_when_nothing_fits_suggests_only_what_was_not_tried():
         text = recommend({s.strategy: predict(s) for s in setups(opts)}, opts)
         assert text.startswith("nothing fits") and "more GPUs" in text
         assert all(w in text for w in want) and not any(w in text for w in not_want), text
+
+
+def test_walks_on_two_threads_leave_attention_as_it_was():
+    """memory._fused_attention swaps torch.nn.functional.scaled_dot_product_attention for a walk. Two
+    threads walking at once, the second ending after the first, must not restore each other's swap: the
+    second waits for the first, and after both the function is torch's own again."""
+    import threading
+
+    from common.measure.memory import _fused_attention
+
+    own = F.scaled_dot_product_attention
+    in_a, in_b, end_a, end_b = (threading.Event() for _ in range(4))
+
+    def walk(inside, end):
+        with _fused_attention():
+            inside.set()
+            end.wait(5)
+
+    a = threading.Thread(target=walk, args=(in_a, end_a))
+    a.start()
+    assert in_a.wait(5)
+    b = threading.Thread(target=walk, args=(in_b, end_b))
+    b.start()
+    in_b.wait(0.5)  # without the lock the second walk is inside by now; with it, it waits for the first
+    end_a.set()
+    a.join(5)
+    end_b.set()
+    b.join(5)
+    assert F.scaled_dot_product_attention is own

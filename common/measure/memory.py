@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -241,20 +242,25 @@ def _fused_attention():
     it saves the output and a logsumexp of B x heads x L. The walks price the efficient kernel's saves,
     whose meta kernels exist for forward and backward (torch/_meta_registrations.py); the others' differ by
     the logsumexp's padding to 32."""
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with _SDPA_SWAP:  # one walk at a time swaps it: two threads' swaps could restore each other's
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        torch.nn.functional.scaled_dot_product_attention = functools.partial(_fused_sdpa, sdpa)
+        try:
+            yield
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = sdpa
 
-    def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if attn_mask is not None or dropout_p > 0 or enable_gqa or query.device.type != "meta":
-            return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, enable_gqa=enable_gqa)
-        return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, None, True, 0.0,
-                                                                      is_causal, scale=scale)[0]
 
-    torch.nn.functional.scaled_dot_product_attention = fused
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = sdpa
+_SDPA_SWAP = threading.RLock()
+
+
+def _fused_sdpa(sdpa, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+    if attn_mask is not None or dropout_p > 0 or enable_gqa or query.device.type != "meta":
+        return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                    scale=scale, enable_gqa=enable_gqa)
+    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, None, True, 0.0,
+                                                                  is_causal, scale=scale)[0]
 
 
 @functools.lru_cache(maxsize=64)
