@@ -307,9 +307,18 @@ def test_walks_on_two_threads_leave_attention_as_it_was():
     assert in_a.wait(5)
     b = threading.Thread(target=walk, args=(in_b, end_b))
     b.start()
-    in_b.wait(0.5)  # without the lock the second walk is inside by now; with it, it waits for the first
-    end_a.set()
-    a.join(5)
-    end_b.set()
-    b.join(5)
-    assert F.scaled_dot_product_attention is own
+    try:
+        # without the lock the second walk is inside by now; with it, it waits for the first
+        assert not in_b.wait(0.5)
+        end_a.set()
+        a.join(5)
+        assert in_b.wait(5)
+        end_b.set()
+        b.join(5)
+        assert F.scaled_dot_product_attention is own
+    finally:
+        end_a.set()
+        end_b.set()
+        a.join(5)
+        b.join(5)
+        F.scaled_dot_product_attention = own  # a failure must not leave it swapped for the tests after

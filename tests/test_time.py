@@ -571,7 +571,22 @@ def test_a_buckets_readiness_follows_the_measured_backward_shares():
     assert find_pieces(data, "X", "resnet18", 32, 16, "fp32", 1) is None  # a pipeline's: exactly its own
     assert find_pieces(data, "X", "resnet18", 32, 16, "fp32", 1, nearest=True)[0] == (8.0, 1.0)
     assert find_pieces(data, "X", "resnet18", 32, 48, "fp32", 1, nearest=True)[0] == (64.0, 1.0)
+    assert find_pieces(data, "X", "resnet18", 32, 2, "fp32", 1, nearest=True)[0] == (8.0, 1.0)  # 4x off
+    assert find_pieces(data, "X", "resnet18", 32, 30, "fp32", 1, nearest=True)[0] == (64.0, 1.0)  # by ratio
     assert find_pieces(data, "X", "resnet18", 64, 16, "fp32", 1, nearest=True) is None
+    assert find_pieces(data, "X", "resnet18", 32, 16, "amp_bf16", 1, nearest=True) is None
+    # malformed or empty pieces: FLOP shares, not a lost prediction
+    for bad in ([(1.0,)] * 4, [(0.0, 0.0)] * 4, [(1.0, float("nan"))] * 4):
+        assert time_shares(us, bad) == ([u.share for u in us],) * 2
+
+
+def test_calibrate_times_the_pieces_at_the_ranks_and_the_pipelines_micro_batch():
+    from common.bench.calibrate import piece_batches
+
+    assert piece_batches(32, 2, 4) == [8, 16]  # a pipeline's 32 / 4, each data-parallel rank's 32 / 2
+    assert piece_batches(32, 2, None) == [16]
+    assert piece_batches(16, 2, 2) == [8]
+    assert piece_batches(32, 1, 4) == []  # one process: no bucket, no pipeline
 
 
 def test_pipeline_stages_take_the_measured_pieces_shares(tmp_path, monkeypatch):

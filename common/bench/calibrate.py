@@ -274,6 +274,12 @@ def _channels_last_setups(opts, preset_batch, batch: int, modes: list[str], cuda
     return out
 
 
+def piece_batches(batch: int, n: int, microbatches: int | None) -> list[int]:
+    """The micro-batches whose pieces are timed at world size n > 1: the data-parallel ranks' (when their
+    units' gradients are ready) and with --microbatches a pipeline's (its stage shares)."""
+    return sorted({max(1, batch // d) for d in ([microbatches] if microbatches else []) + [n]}) if n > 1 else []
+
+
 def _piece_times(spec: dict, threads: int) -> list[tuple[float, float]] | None:
     """Forward and backward ms (medians over spec["steps"] after 3 warm-up steps) of the model's four
     one-stage pieces (common/pipeline.py split [1,1,1,1]) at spec["batch"], one piece after the other in
@@ -528,8 +534,8 @@ def calibrate(opts) -> int:
                   f"optimizer {got['opt_ms']:.2f} ms{own}", flush=True)
         # a pipeline's micro-batch (its stage shares) and the data-parallel ranks' (when their units'
         # gradients are ready: timemodel.time_shares)
-        micro = sorted({max(1, batch // d) for d in ([opts.microbatches] if opts.microbatches else []) + [n]})
-        resnet = n > 1 and bool(stages(meta_model(model, image_size=image)))  # the pieces are a ResNet's stages
+        micro = piece_batches(batch, n, opts.microbatches)
+        resnet = bool(micro) and bool(stages(meta_model(model, image_size=image)))  # the pieces are a ResNet's
         for mode, b in [(m, b) for m in modes for b in micro] if resnet else []:
             spec = {"model": model, "image_size": image, "batch": b, "mode": mode, "device": device.type,
                     "steps": opts.steps}

@@ -37,6 +37,7 @@ close to it); pure_fp16/pure_bf16 (the model in half: pytorch_half_precision.py,
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -126,10 +127,14 @@ def find_pieces(data: dict | None, device_name: str, model: str, image_size: int
         return None
     pieces = data.get("pieces", {})
     got = pieces.get(key(model, image_size, batch, mode, "-", 1, threads))
-    if not got and nearest:
-        near = [(abs(b - batch), b) for b in range(1, 4 * batch + 1)
-                if key(model, image_size, b, mode, "-", 1, threads) in pieces]
-        got = pieces[key(model, image_size, min(near)[1], mode, "-", 1, threads)] if near else None
+    if not got and nearest:  # nearest by ratio: 64 is nearer 32 than 8 is
+        near = []
+        for k, v in pieces.items():
+            f = k.split("|")
+            if len(f) > 2 and f[2].isdigit() and int(f[2]) > 0 and \
+                    k == key(model, image_size, int(f[2]), mode, "-", 1, threads):
+                near.append((abs(math.log(int(f[2]) / max(1, batch))), int(f[2]), v))
+        got = min(near)[2] if near else None
     return [tuple(v) for v in got] if got else None
 
 

@@ -6,9 +6,10 @@ Built from the model itself, as the memory model is: its units (a ResNet's stem,
 head; other families one unit) with their share of the forward FLOPs (torch.utils.flop_counter on
 the meta device) and their parameters in registration order. The forward and backward times of one
 micro-batch (measured by `benchmark.py calibrate`, or FLOPs / (peak x efficiency) for a GPU named
-to `advise`) are spread over the units by that share. Then each strategy's collectives are put where
-its library issues them, and a two-resource schedule (compute, communication) runs them in program
-order; a collective starts when its inputs are ready and the link is free:
+to `advise`) are spread over the units by that share, or by a ResNet's measured pieces (time_shares).
+Then each strategy's collectives are put where its library issues them, and a two-resource schedule
+(compute, communication) runs them in program order; a collective starts when its inputs are ready and
+the link is free:
   ddp, accelerate_ddp    gradient buckets in reverse parameter order (first bucket 1 MiB, then 25 MiB:
                          torch/nn/parallel/distributed.py, dist._DEFAULT_FIRST_BUCKET_BYTES), each
                          all-reduced as soon as its last gradient is ready, buckets in order (the
@@ -67,7 +68,8 @@ ranks (not a pipeline, whose stages wait by design) the step gains Compute.sync_
 communication (where the measured columns put a collective's wait).
 
 overlap=False puts communication and compute on one resource: on a CPU the training thread waits on
-FSDP's, ZeRO's and DeepSpeed's collectives (their rows' comm_overlap_pct is 0), so nothing is hidden.
+FSDP's, ZeRO's and DeepSpeed's collectives (their rows' comm_overlap_pct is 0, ZeRO-3's 10-20), so
+nothing is hidden.
 DDP's buckets are the exception: gloo all-reduces them on its own threads beside the backward (62-84%
 overlapped in the Xeon grids), which then loses CPU_BESIDE_COST of the time they hide, a fitted share.
 On a GPU NCCL kernels run beside compute kernels: overlap=True.
@@ -84,6 +86,7 @@ beyond what the calibration's plain model shows.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -313,7 +316,9 @@ def time_shares(us, pieces: list | None = None) -> tuple[list[float], list[float
     flops = [u.share for u in us]
     piece = {"stem": 0, "head": 3, "layer1": 0, "layer2": 1, "layer3": 2, "layer4": 3}
     of = [piece.get(u.name.split(".")[0]) for u in us]
-    if not pieces or len(pieces) != 4 or None in of:
+    usable = pieces and len(pieces) == 4 and all(
+        len(p) >= 2 and all(math.isfinite(x) and x > 0 for x in p[:2]) for p in pieces)
+    if not usable or None in of:  # a malformed entry must not cost the row its prediction
         return flops, flops
     out = []
     for col in (0, 1):
@@ -468,7 +473,8 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     exposed = max(0.0, s.length - compute)
     if beside:
         # what the buckets beside the backward take from it on a CPU, whose cores the training thread and
-        # gloo's threads share: fitted, not derived (docs/time.md "DDP's buckets on a CPU")
+        # gloo's threads share: fitted, not derived (docs/time.md "DDP's buckets on a CPU"), on the hidden
+        # meetings' waits too, as it was fitted
         compute += CPU_BESIDE_COST * max(0.0, s.comm - exposed)
     p.compute_ms = compute
     post += meets * s.meet_ms
