@@ -329,7 +329,7 @@ def time_shares(us, pieces: list | None = None) -> tuple[list[float], list[float
 
 
 def _forward_backward(s: _Schedule, us, c: Compute, shares=None) -> tuple[list[int], list[int]]:
-    fs, bs = shares or (([u.share for u in us],) * 2)
+    fs, bs = shares or time_shares(us)
     fwd, bwd, last = [], [None] * len(us), ()
     for i in range(len(us)):
         fwd.append(s.add("compute", c.fwd_ms * fs[i], last))
@@ -493,7 +493,7 @@ def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_byte
     the others in coalesced calls of up to `prefetch` elements (DeepSpeed's prefetch bucket; 0: per unit),
     and the gradients are reduce-scattered in buckets of `bucket` bytes as they are ready, not per unit.
     shares: the units' forward and backward time shares (time_shares), else their FLOP shares."""
-    fs, bs = shares or (([u.share for u in us],) * 2)
+    fs, bs = shares or time_shares(us)
     def gathered(u) -> int:
         return sum(x for x in u.params if x > persist)
 
