@@ -90,8 +90,9 @@ def pytest_runtest_setup(item):
         pytest.exit(f"the suite ran past {DEADLINE_S / 60:.0f} minutes (its budget is 20); stopped before "
                     f"{item.nodeid}", returncode=3)
     launches.RUNNING = item.nodeid
-    if launches.ACTIVE is not None and not item.get_closest_marker("launches"):
-        launches.ACTIVE.drain()  # a shared launch started ahead does not run beside this test's own work
+    if launches.ACTIVE is not None:  # how many shared launches may run beside this test (tests/launches.py)
+        launches.ACTIVE.allow(launches.IN_FLIGHT if item.get_closest_marker("launches") else
+                              1 if launches.beside(item) else 0)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -55,14 +55,20 @@ def release_port(port: int | None) -> None:
         _HELD.discard(port)
 
 
-def launcher_cmd(launcher: str, nproc: int, port: int | None = None) -> list[str]:
+def launchers() -> dict[str, list[str]]:
+    """Each launcher's command as found now (tests/launches.py keeps the session's first)."""
     from common.bench.matrix import tool  # benchmark.py's own lookup: a --target install runs them too
 
+    return {"python": [sys.executable], "torchrun": tool("torchrun"), "deepspeed": tool("deepspeed")}
+
+
+def launcher_cmd(launcher: str, nproc: int, port: int | None = None, found: dict | None = None) -> list[str]:
+    head = (found or launchers())[launcher]
     if launcher == "torchrun":
-        return [*tool("torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port or free_port())]
+        return [*head, "--nproc_per_node", str(nproc), "--master_port", str(port or free_port())]
     if launcher == "deepspeed":
-        return [*tool("deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port or free_port())]
-    return [sys.executable]
+        return [*head, "--num_gpus", str(nproc), "--master_port", str(port or free_port())]
+    return head
 
 
 def clean_env(env: dict | None = None) -> dict:
@@ -73,8 +79,8 @@ def clean_env(env: dict | None = None) -> dict:
 
 
 def command(script: str, args: list[str], nproc: int = 1, launcher: str = "python", port: int | None = None,
-            launcher_args: tuple = ()) -> list[str]:
-    return [*launcher_cmd(launcher, nproc, port), *launcher_args, script, *args]
+            launcher_args: tuple = (), found: dict | None = None) -> list[str]:
+    return [*launcher_cmd(launcher, nproc, port, found), *launcher_args, script, *args]
 
 
 def start(script: str, args: list[str], nproc: int = 1, launcher: str = "python", env: dict | None = None,

@@ -20,12 +20,21 @@ load it, until the session ends.
 Two at a time: a test that reads shared launches says which with `@pytest.mark.launches(...)` (a name of
 CASES, or a template filled from the test's parameters: "{name}", "{entry.name}-{precision}"), and reads
 them from the `runs` fixture, in the marker's order (a module-scoped fixture calls `launched(name)`). While such
-a test's launch runs, the next launch of the tests that follow it, as long as they are marked too, starts
-beside it: a `python` run keeps one core busy (OMP_NUM_THREADS=1, and importing torch is single-threaded),
-and torchrun's own start and exit leave the second core idle, about 18% of a 2-rank launch. A test without
-the marker first waits for those in flight (conftest.py), so that its own launches and timings never
-share the cores with a prefetched one. The checks on shared rows are structural (counts, bytes, sums that
-tile the window), not timings.
+a test's launch runs, the next launch of the tests that follow it starts beside it: a `python` run keeps one
+core busy (OMP_NUM_THREADS=1, and importing torch is single-threaded), and torchrun's own start and exit
+leave the second core idle, about 18% of a 2-rank launch. The checks on shared rows are structural (counts,
+bytes, sums that tile the window), not timings.
+
+Beside the other tests: a test that uses about one core and checks no timing runs with one launch of the
+tests ahead beside it (`beside(item)`): every fast-tier test (in-process, one core) but the few marked
+`alone` (real sleeps timed against tolerances), and the slow ones marked `@pytest.mark.beside` (one process
+at a time, or a launcher's waits: a calibration, the doctor, a compile). Any other test first waits for the
+launches in flight and starts none (conftest.py), so that its own launches have the cores to themselves. The
+look-ahead starts from the session's first test and looks past every test to the next launch not yet run.
+On the Xeon of 2026-11-27 (2 cores) the suite left a core idle for 563 of its 3068 core-seconds before this.
+A launch is built when it is planned, in pytest's thread, from the session's environment and launchers as
+they were when the session began: a fast test that monkeypatches the environment, `sys.executable`,
+`subprocess` or the launcher lookup while a launch starts in a pool thread changes nothing of it.
 """
 from __future__ import annotations
 
@@ -38,7 +47,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import half_size, hold_port, release_port, rows, start, tiny_args
+from helpers import ROOT, clean_env, command, half_size, hold_port, launchers, release_port, rows, tiny_args
 
 from common.registry import BY_FILE, SCRIPTS
 
@@ -192,6 +201,15 @@ class Result:
 
 
 IN_FLIGHT = 2  # launches running at once: two cores
+POPEN = subprocess.Popen  # as imported: test_time's calibrate tests replace subprocess.Popen while they run
+
+
+def beside(item) -> bool:
+    """A test a prefetched launch may run beside: the fast tier's (in-process, one core) but those marked
+    `alone` (real sleeps timed against tolerances), and the slow ones marked `beside`."""
+    if item.get_closest_marker("slow") is None:
+        return item.get_closest_marker("alone") is None
+    return item.get_closest_marker("beside") is not None
 
 
 class SharedLaunches:
@@ -200,28 +218,57 @@ class SharedLaunches:
         self.futures: dict[str, Future] = {}
         self.pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="launch")
         self.lock = threading.Lock()
+        self.plan = threading.RLock()  # futures and the look-ahead: pytest's thread and the launches' callbacks
         self.pids: set[int] = set()  # launchers running now: conftest.py leaves them to the tests that read them
         self.needs: list[list[str]] = []  # per collected test, in order: the launches its marker names
         self.index: dict[str, int] = {}  # a collected test's node id -> its place in `needs`
+        self.limit = IN_FLIGHT  # launches in flight the running test allows (conftest.py sets it per test)
+        self.env, self.found = clean_env(), launchers()  # the session's, before any test's monkeypatch
 
     def __call__(self, name: str) -> Result:
         if name not in self.done:
-            self._submit(name)
-            self._look_ahead()
-            self.done[name] = self.futures.pop(name).result()
+            with self.plan:
+                self._submit(name)
+                self._look_ahead()
+                future = self.futures[name]
+            result = future.result()
+            with self.plan:
+                self.futures.pop(name, None)
+                self.done[name] = result
         return self.done[name]
+
+    def allow(self, limit: int) -> None:
+        """The running test allows `limit` launches in flight: IN_FLIGHT while it reads shared launches, 1
+        beside a test that uses one core, 0 (and wait for those in flight) before any other."""
+        with self.plan:
+            self.limit = limit
+            self._look_ahead()
+        if limit == 0:
+            self.drain()
 
     def _submit(self, name: str) -> None:
         if name not in self.futures and name not in self.done:
-            self.futures[name] = self.pool.submit(self._launch, name, CASES[name])
+            case = CASES[name]
+            folder = self.root / name
+            folder.mkdir(parents=True)
+            args = tiny_args(folder, **case.flags())
+            script, args = (case.twin[0], list(case.twin[1:]) + args) if case.twin else (case.script, args)
+            port = hold_port() if case.launcher != "python" else None
+            cmd = command(script, args, case.nproc, case.launcher, port, found=self.found)
+            self.futures[name] = self.pool.submit(self._launch, name, case, folder, cmd, port)
+            self.futures[name].add_done_callback(lambda _: self._top_up())
+
+    def _top_up(self) -> None:
+        with self.plan:
+            self._look_ahead()
 
     def _look_ahead(self) -> None:
-        """Top up to IN_FLIGHT with the launches the running test and the marked tests after it need."""
-        for needed in self.needs[self.index.get(RUNNING, len(self.needs)):]:
-            if not needed:
-                return
-            for name in needed:
-                if sum(not f.done() for f in self.futures.values()) >= IN_FLIGHT:
+        """Top up to the running test's limit with the launches it and the tests after it need. It looks past
+        every test: one that allows none waits for those in flight when it starts, and the work is the same
+        whenever it runs, so a launch started early costs nothing and may fill a core that would idle."""
+        for i in range(self.index.get(RUNNING, len(self.needs)), len(self.needs)):
+            for name in self.needs[i]:
+                if sum(not f.done() for f in self.futures.values()) >= self.limit:
                     return
                 self._submit(name)
 
@@ -232,17 +279,15 @@ class SharedLaunches:
 
     def drain(self) -> None:
         """Wait for the launches in flight (their results are kept for the tests that read them)."""
-        for name in list(self.futures):
-            self.futures[name].exception()
+        with self.plan:
+            pending = list(self.futures.values())
+        for future in pending:
+            future.exception()
 
-    def _launch(self, name: str, case: Launch) -> Result:
-        folder = self.root / name
-        folder.mkdir(parents=True)
-        args = tiny_args(folder, **case.flags())
-        script, args = (case.twin[0], list(case.twin[1:]) + args) if case.twin else (case.script, args)
-        port = hold_port() if case.launcher != "python" else None
-        proc = start(script, args, case.nproc, case.launcher, dict(case.env), port, stdout=subprocess.PIPE,
-                     stderr=subprocess.PIPE)
+    def _launch(self, name: str, case: Launch, folder: Path, cmd: list[str], port: int | None) -> Result:
+        """In the pool's thread: start the command built in pytest's, wait, read the row."""
+        env = {**self.env, **dict(case.env)}
+        proc = POPEN(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         with self.lock:
             self.pids.add(proc.pid)
         try:
@@ -262,7 +307,7 @@ class SharedLaunches:
         return Result(case, folder, done, saved, rows(folder / "summary.csv"))
 
     def close(self) -> None:
-        self.drain()
+        self.allow(0)
         self.pool.shutdown(wait=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -280,9 +325,10 @@ def marked_needs(item) -> list[str]:
     return [n.format(**params) for n in marker.args]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def launched(tmp_path_factory, request):
-    """launched(name) -> Result of the shared launch `name` (a key of CASES), run on first use."""
+    """launched(name) -> Result of the shared launch `name` (a key of CASES), run on first use. Set up
+    before the first test, so that the look-ahead fills the cores from the first test on."""
     global ACTIVE
     shared = ACTIVE = SharedLaunches(tmp_path_factory.mktemp("launches"))
     shared.needs = [marked_needs(item) for item in request.session.items]

@@ -25,6 +25,7 @@ def bench(tmp_path, *args, timeout=900):
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.beside
 @pytest.mark.slow
 def test_failures_are_recorded_and_the_matrix_goes_on(tmp_path):
     matrix = tmp_path / "m.yaml"
@@ -147,6 +148,7 @@ def test_seed_preset_commands(quick):
     assert all("--pretrained" in ln and "--dataset cifar10" in ln for ln in lines)
 
 
+@pytest.mark.beside
 @pytest.mark.slow
 def test_doctor_on_cpu(tmp_path):
     """On a CPU-only machine: one line saying so, the environment, the runs, every check passing, exit 0.

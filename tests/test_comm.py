@@ -240,6 +240,7 @@ def test_a_pipeline_never_runs_on_more_ranks_than_its_stages(capsys):
     assert layout({**pp, "script": "pytorch_DDP.py"}, nodes=2, gpus_per_node=8) == (2, 8)
 
 
+@pytest.mark.beside
 @pytest.mark.slow
 def test_world_sizes_rows_ddp_volume_and_efficiency(tmp_path):
     """--world-sizes 1,2: a row per world size for the distributed run (named apart, so neither is

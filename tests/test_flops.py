@@ -51,6 +51,7 @@ def test_mfu_only_for_a_device_in_the_table(monkeypatch, name, gpus, peak):
     assert row["mfu"] == (None if peak is None else pytest.approx(row["achieved_tflops"] / peak, rel=1e-3))
 
 
+@pytest.mark.alone
 def test_step_times_leave_paused_time_out():
     st = StepTimes(torch.device("cpu"))
     st.start()

@@ -101,3 +101,26 @@ def test_ddp_buckets_of_resnet18():
     assert ddp_buckets(torchvision.models.resnet18(num_classes=10)) == 3
 
 
+
+
+def test_only_global_rank_0_counts_and_predicts_what_only_its_row_shows(monkeypatch, tmp_path):
+    """The FLOP count, the memory walk and the step prediction are the row's, which global rank 0 writes:
+    any other rank skips them (0.3-0.9 s each of a CPU the ranks may share, every launch)."""
+    from common.config import TrainConfig
+    from common.measure import flops, model_state, timepred
+    from common.measure.memory import Setup
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")  # no CPU probe
+    setup = Setup(model="resnet18", image_size=32, batch_size=4, world_size=1, strategy="single")
+    cpu, seen = torch.device("cpu"), {}
+    for rank in (1, 0):
+        for module in (flops, model_state, timepred):
+            monkeypatch.setattr(module, "global_rank", lambda rank=rank: rank)
+        count = flops.Flops("resnet18", 32, "fp32", [torch.device("cuda", 0)], cpu, lambda: 100.0)
+        state = model_state.ModelState(TrainConfig(model="resnet18", image_size=32), torch.nn.Linear(2, 2), None, cpu)
+        state.setup, state.measured = setup, 2**30
+        pred = timepred.TimePrediction(TrainConfig(calibration=str(tmp_path / "none.json")), setup, cpu, None, None,
+                                       "single")
+        seen[rank] = (count.flops_per_img, state.row()["pred_peak_gib"], pred.row().get("notes"))
+    assert seen[1] == (None, None, None)
+    assert seen[0][0] > 1e8 and seen[0][1] > 0 and "pred_step_ms" in seen[0][2]  # no calibration there: why not

@@ -129,6 +129,7 @@ def test_loading_a_checkpoint_never_fetches_pretrained_weights(tmp_path, monkeyp
     (lambda p: p.write_bytes(b"garbage bytes"), "is not a PyTorch checkpoint"),
     (None, "checkpoint not found"),
 ])
+@pytest.mark.beside
 @pytest.mark.slow
 def test_bad_checkpoint_one_line_no_row(tmp_path, make, words):
     path = tmp_path / "model_final.pt"

@@ -168,6 +168,7 @@ def advise(*args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.beside
 @pytest.mark.slow  # launches processes
 def test_advise_articles_setup():
     proc = advise("--model", "resnet50", "--image-size", "224", "--batch-size", "128", "--gpus", "4",
@@ -246,6 +247,7 @@ def test_accumulated_gradients_are_there_from_the_second_micro_batch_on():
     assert two.backward_peak >= two.activations + two.grads > one.backward_peak
 
 
+@pytest.mark.beside
 @pytest.mark.slow  # 24 predictions of models up to vit_h_14 at 224 px: ~9 s of meta-device walks
 def test_the_readme_sharding_table_is_the_memory_model():
     """README "When does sharding pay?": every DDP / FSDP cell is predict()'s peak at its setup, and the one

@@ -48,6 +48,7 @@ def test_batchnorm_models_split_only_at_resnet_stages():
         split(model, plan(model, 2), torch.zeros(2, 3, 32, 32))
 
 
+@pytest.mark.alone
 def test_bubble_is_the_idle_share():
     lane = Lane(torch.device("cpu"))
     bubble = Bubble([lane], torch.device("cpu"))

@@ -54,6 +54,7 @@ def test_the_shapes_let_through_give_right_bf16_weight_gradients(size, stride):
         assert (w.grad.float() - w32.grad).abs().max() <= 0.02 * w32.grad.abs().max()
 
 
+@pytest.mark.beside
 @pytest.mark.slow
 @pytest.mark.skipif(not onednn_bf16_kernels(), reason="this CPU runs the reference bf16 kernels: nothing to refuse")
 def test_a_script_refuses_the_bad_shape_in_one_line(tmp_path):

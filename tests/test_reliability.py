@@ -79,6 +79,7 @@ def test_out_of_memory_on_another_rank_than_0_is_an_oom_row(tmp_path):
     assert "out of memory on rank 1" in proc.stderr
 
 
+@pytest.mark.beside
 @pytest.mark.slow
 def test_divergence_stops_the_run_with_a_row(tmp_path):
     proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path, lr=1e30, max_nonfinite_steps=2, log_every=1))
@@ -87,6 +88,7 @@ def test_divergence_stops_the_run_with_a_row(tmp_path):
     assert row["status"] == "diverged" and "non-finite" in row["error"]
 
 
+@pytest.mark.beside
 @pytest.mark.slow
 def test_foreign_summary_csv_is_refused_before_training_and_kept(tmp_path):
     path = tmp_path / "summary.csv"
@@ -97,6 +99,7 @@ def test_foreign_summary_csv_is_refused_before_training_and_kept(tmp_path):
     assert not (tmp_path / "ckpt").exists()  # refused before any training
 
 
+@pytest.mark.beside
 @pytest.mark.slow
 def test_distributed_script_without_launcher_runs_as_world_of_one(tmp_path):
     check_ok(run("pytorch_DDP.py", tiny_args(tmp_path)))
@@ -104,6 +107,7 @@ def test_distributed_script_without_launcher_runs_as_world_of_one(tmp_path):
     assert row["world_size"] == "1" and row["status"] == "ok" and list(row) == COLUMNS
 
 
+@pytest.mark.beside
 @pytest.mark.slow
 def test_cifar_missing_offline_through_the_script(tmp_path):
     args = [a for a in tiny_args(tmp_path) if a != "synthetic"]

@@ -93,6 +93,7 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, script, nproc):
     assert got["test_accuracy"] == expected["test_accuracy"]
 
 
+@pytest.mark.beside
 def test_resume_path_missing_or_corrupt(tmp_path):
     proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path, resume=str(tmp_path / "nowhere")))
     assert "no checkpoint there" in one_line_error(proc)

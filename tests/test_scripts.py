@@ -236,6 +236,7 @@ def test_single_device_script_refuses_torchrun(refused_under_torchrun):
     assert rows(folder / "summary.csv") == []
 
 
+@pytest.mark.beside
 def test_training_learns_on_synthetic_data(tmp_path):
     args = tiny_args(tmp_path, epochs=2, train_samples=1024, test_samples=500, batch_size=64, warmup_steps=5,
                      target_accuracy=0.3)
@@ -246,6 +247,7 @@ def test_training_learns_on_synthetic_data(tmp_path):
     assert 0 < float(row["time_to_target_s"]) <= float(row["train_time_s"])
 
 
+@pytest.mark.beside
 def test_compile_time_kept_apart_and_same_training(tmp_path):
     plain, compiled = tmp_path / "plain", tmp_path / "compiled"
     # a small learning rate: at 0.05 these 4 steps are unstable enough that inductor's rounding

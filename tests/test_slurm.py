@@ -39,6 +39,7 @@ def benchmark(c: Cluster, tmp_path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.beside
 @pytest.mark.slow
 def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
     """The smoke preset's DDP run, cut to TINY's 4 steps (the job files and their launchers are the subject,
@@ -75,6 +76,7 @@ def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
     assert len(list(tmp_path.glob("ckpt/job*/pytorch_DDP/model_final.pt"))) == 1
 
 
+@pytest.mark.beside
 @pytest.mark.slow
 def test_accelerate_deepspeed_through_the_accelerate_template_on_two_nodes(cluster, tmp_path):
     """accelerate's multi-node DeepSpeed default, pdsh, would run `deepspeed --hostfile` on each node;
@@ -91,6 +93,7 @@ def test_accelerate_deepspeed_through_the_accelerate_template_on_two_nodes(clust
     assert int(row["test_samples"]) == 37
 
 
+@pytest.mark.beside
 @pytest.mark.slow  # launches processes
 def test_dry_run_writes_job_files_that_bash_accepts(tmp_path):
     results = tmp_path / "summary.csv"

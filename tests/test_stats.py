@@ -164,6 +164,7 @@ def test_a_launch_is_done_only_when_its_own_repeat_is_in_the_csv(tmp_path):
     assert done_rows(path, {"name": "t/a", "args": {"repeat": 1}}, "Y") == []  # another device
 
 
+@pytest.mark.beside
 @pytest.mark.slow
 def test_repeats_end_to_end_and_resume(tmp_path):
     """--repeats 3 writes launches 1, 2, 3 and the report's statistics; with a launch lost, running

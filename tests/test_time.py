@@ -60,6 +60,7 @@ def fit_with_parts(monkeypatch, optimizer_sleep_s: float, data_sleep_s: float = 
     return {**m.extra, "throughput_img_s": m.throughput_img_s}
 
 
+@pytest.mark.alone
 def test_components_tile_the_window_and_a_slower_optimizer_moves_its_own(monkeypatch):
     fast = fit_with_parts(monkeypatch, 0.002)
     slow = fit_with_parts(monkeypatch, 0.060)
@@ -75,6 +76,7 @@ def test_components_tile_the_window_and_a_slower_optimizer_moves_its_own(monkeyp
     assert abs(slow["step_compute_ms"] - fast["step_compute_ms"]) < moved / 2
 
 
+@pytest.mark.alone
 def test_a_step_run_inside_backward_is_timed_as_the_optimizer(monkeypatch):
     """accelerate's DeepSpeedEngineWrapper.backward calls engine.step() (accelerate/utils/deepspeed.py):
     with step_inside_backward the engine's 60 ms step is the optimizer phase's, not compute's."""
@@ -107,6 +109,7 @@ def test_a_step_run_inside_backward_is_timed_as_the_optimizer(monkeypatch):
     assert sum(got[c] for c in PARTS) == pytest.approx(got["step_ms_mean"], abs=0.01)
 
 
+@pytest.mark.alone
 def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypatch):
     """--lockstep HOST:PORT:N (calibrate's concurrent one-process runs): the run waits before each optimizer
     step, also one the engine takes inside backward, for a partner that arrives 100 ms late each time; every
@@ -972,6 +975,7 @@ class SleepySamples(torch.utils.data.Dataset):
         return torch.randn(3, 2, 2), i % 10
 
 
+@pytest.mark.alone
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_a_loader_bound_run_is_predicted_from_its_probed_rate(tmp_path, monkeypatch):
     """CPU twin of a small batch on a fast GPU (ResNet50 AMP at 32 images on an H100 with 2 workers: 32.6 ms
@@ -1316,6 +1320,7 @@ def test_calibrate_fits_the_median_collectives_of_its_repeats(monkeypatch):
     assert links["all_reduce"]["busbw_gbps"] == pytest.approx((1 << 20) / 2e-3 / 1e9, rel=1e-3)
 
 
+@pytest.mark.beside
 @pytest.mark.slow  # launches processes
 def test_calibrate_then_a_run_predicts_itself(tmp_path):
     """benchmark.py calibrate (compute at 1 and 2 processes, collectives at 2 ranks) and a run that reads

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..distributed import reduce_metrics, world_size
+from ..distributed import global_rank, reduce_metrics, world_size
 from . import Instrument
 from .memory import GIB, STRATEGIES, Setup, predict
 
@@ -178,7 +178,9 @@ class ModelState(Instrument):
             # the walk runs in the first optimizer update from the last warm-up step on: a library that
             # skipped all of them (non-finite gradients: see skipped_steps) updated nothing to measure
             out["notes"] = "model_state_gib: no optimizer update from the last warm-up step on (steps skipped?)"
-        if self.setup is not None:
+        # the prediction is the row's, which rank 0 writes: the other ranks skip its walk (0.3-0.6 s of a CPU
+        # the ranks may share)
+        if self.setup is not None and global_rank() == 0:
             pred = predict(self.setup)
             out.update(pred_model_state_gib=round(pred.model_state / GIB, 6),
                        pred_activation_gib=round(pred.activations / GIB, 6), pred_peak_gib=round(pred.peak / GIB, 6))

@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from ..distributed import world_size
+from ..distributed import global_rank, world_size
 from . import Instrument
 from .calibration import DEFAULT, compute_mode, compute_of, find_compute, find_link, find_pieces, load
 from .timemodel import Link, predict_step
@@ -109,6 +109,8 @@ class TimePrediction(Instrument):
         out = dict.fromkeys(("pred_step_ms", "pred_img_s", "pred_time_error_pct", *PARTS.values()))
         # a collective: every rank calls it, whatever the prediction does
         measured = self.steptimes.row().get("step_ms_p50") if self.steptimes is not None else None
+        if global_rank() != 0:  # the row is rank 0's
+            return out
         try:
             pred, why = self.predict()
         except Exception as exc:  # a prediction must never cost the run its row

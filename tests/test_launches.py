@@ -1,0 +1,59 @@
+"""The look-ahead of the shared launches (tests/launches.py): how many run beside which test, and what a
+test's monkeypatching can no longer reach. The launches themselves are replaced by gates the test opens."""
+import os
+import sys
+import threading
+import time
+
+import launches
+from helpers import release_port
+
+
+def wait_for(cond, what: str) -> None:
+    deadline = time.time() + 30
+    while not cond():
+        assert time.time() < deadline, what
+        time.sleep(0.01)
+
+
+def test_the_look_ahead_fills_what_the_running_test_leaves_and_no_more(tmp_path, monkeypatch):
+    a, b, c = "pytorch_SingleGPU-fp32", "pytorch_DDP-fp32", "pytorch_FSDP-fp32"
+    shared = launches.SharedLaunches(tmp_path)
+    python = sys.executable
+    gates, started = {n: threading.Event() for n in (a, b, c)}, []
+
+    def gated(name, case, folder, cmd, port):
+        started.append(name)
+        gates[name].wait(30)
+        release_port(port)
+        return cmd
+
+    shared._launch = gated
+    # t0 fast, t1 reads a, t2 slow (say, a kill and a resume), t3 reads b and c, t4 slow
+    shared.needs = [[], [a], [], [b, c], []]
+    shared.index = {f"t{i}": i for i in range(5)}
+    # what a fast test may patch while a launch is planned: neither reaches the launch
+    monkeypatch.setattr(sys, "executable", "/nowhere/python")
+    monkeypatch.setenv("PATCHED_BY_A_TEST", "1")
+    try:
+        monkeypatch.setattr(launches, "RUNNING", "t0")  # a fast test: one launch beside it, found past it
+        shared.allow(1)
+        wait_for(lambda: started == [a], f"one launch beside a fast test: {started}")
+        time.sleep(0.2)
+        assert started == [a]
+        gates[a].set()  # the next one starts when it ends, looking past t2 (it waits for b when it starts)
+        wait_for(lambda: started == [a, b], f"the next launch when one ends: {started}")
+        monkeypatch.setattr(launches, "RUNNING", "t1")  # reads shared launches: two at once
+        shared.allow(launches.IN_FLIGHT)
+        wait_for(lambda: started == [a, b, c], f"two beside a test that reads launches: {started}")
+        assert shared.futures[a].result()[0] == python  # built from the session's launchers, not the patched
+        assert "PATCHED_BY_A_TEST" not in shared.env
+        monkeypatch.setattr(launches, "RUNNING", "t4")  # any other test: waits for those in flight
+        threading.Timer(0.3, lambda: [g.set() for g in gates.values()]).start()
+        shared.allow(0)
+        assert all(f.done() for f in shared.futures.values())
+    finally:
+        for g in gates.values():
+            g.set()
+        shared.close()
+    assert started == [a, b, c] and not os.path.exists(tmp_path)
