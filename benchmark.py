@@ -139,6 +139,10 @@ def _run_args(p):
     p.add_argument("--repeats", type=int, default=1,
                    help="launch every run N times as fresh processes, round by round across the runs; "
                         "the report gives medians, spread and confidence intervals")
+    p.add_argument("--relaunch-busy", type=int, default=0, metavar="N",
+                   help="launch a run again, up to N times, when its timed window found the host busy with other "
+                        "work or the hypervisor (10%% or more of its CPU time: host_other_pct + host_steal_pct); "
+                        "the report reads the newest launch and lists the ones launched again")
 
 
 def _compare_args(p):

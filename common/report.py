@@ -18,6 +18,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from .config import PROJECT_ROOT  # noqa: E402
+from .measure.host import BUSY_PCT  # noqa: E402
 from .measure.stats import NOISY_IQR, median, summarize  # noqa: E402
 from .results import COLUMNS, read_rows  # noqa: E402
 
@@ -28,7 +29,8 @@ NUMERIC = ["world_size", "image_size", "global_batch_size", "epochs", "steps", "
            "comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step", "busbw_gbps", "comm_overlap_pct",
            "step_ms_p50", "step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms",
            "step_optimizer_ms", "step_other_ms", "pred_step_ms", "pred_img_s", "pred_time_error_pct",
-           "pred_data_ms", "pred_compute_ms", "pred_comm_exposed_ms", "pred_optimizer_ms"]
+           "pred_data_ms", "pred_compute_ms", "pred_comm_exposed_ms", "pred_optimizer_ms",
+           "host_other_pct", "host_steal_pct", "cpu_wait_pct"]
 SECTION = ["device_name", "model", "image_size", "dataset", "global_batch_size"]
 
 
@@ -176,16 +178,48 @@ def _repeats_table(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
         if len(speed) < 2:
             continue
         s, times = summarize(speed), runs.train_time_s.dropna().tolist()
+        busy = _busy(runs).max()
         table.append([label, s.n, _fmt(median(times) if times else None, 1), _fmt(s.median, 1), _fmt(s.iqr, 1),
                       f"{s.min:.1f}–{s.max:.1f}", f"{s.ci_low:.1f}–{s.ci_high:.1f}",
-                      f"{100 * s.iqr / s.median:.1f}%" if s.median else "–", "noisy" if s.noisy else ""])
+                      f"{100 * s.iqr / s.median:.1f}%" if s.median else "–", _fmt(busy, 1),
+                      ", ".join(f for f in ("noisy" if s.noisy else "", "busy host" if busy >= BUSY_PCT else "") if f)])
     if not table:
         return []
     return [f"Repeated launches (`--repeats`): per run, over its ok launches, the median training time and "
             f"throughput, the throughput's interquartile range and min–max, the bootstrap 95% confidence interval "
-            f"of its median, and `noisy` where the IQR exceeds {NOISY_IQR:.0%} of the median.", ""] + \
+            f"of its median, `noisy` where the IQR exceeds {NOISY_IQR:.0%} of the median, and the largest share of "
+            f"the host's CPU time that went to other work or the hypervisor in a launch's window (`busy host` from "
+            f"{BUSY_PCT:.0f}%: docs/time.md, A busy host).", ""] + \
         _table(["run", "launches", "time s (median)", "img/s (median)", "IQR img/s", "min–max img/s",
-                "95% CI of median img/s", "IQR / median", "flag"], table)
+                "95% CI of median img/s", "IQR / median", "host busy % (max)", "flag"], table)
+
+
+def _busy(rows: pd.DataFrame) -> pd.Series:
+    """Each row's share of its host's CPU time that was not the run's: other work plus steal, %; NaN for a row
+    that measured neither (written before the columns, or a host without Linux's /proc)."""
+    return rows.host_other_pct.add(rows.host_steal_pct, fill_value=0)
+
+
+def busy_launches(ok: pd.DataFrame, rows: pd.DataFrame | None = None) -> list[str]:
+    """The launches read (`ok`: launches()) whose window found the host busy, and of `rows` the busy ones a
+    later launch of the same index replaced (benchmark.py --relaunch-busy)."""
+    def listed(frame):
+        return "; ".join(f"{r.label} launch {_fmt(r.launch, 0)}: {_fmt(r.step_ms_p50, 1)} ms, "
+                         f"{_fmt(r.host_other_pct, 1)}% other, {_fmt(r.host_steal_pct, 1)}% stolen"
+                         for _, r in frame.iterrows())
+
+    out = []
+    busy = ok[_busy(ok) >= BUSY_PCT]
+    if not busy.empty:
+        out += ["", f"On a busy host ({BUSY_PCT:.0f}% or more of its CPU time to other work or the hypervisor in "
+                    f"the window; their step times are slower than the host's own): {listed(busy)}."]
+    if rows is not None:
+        every = rows[rows.status == "ok"].copy()
+        every["launch"] = pd.to_numeric(every["repeat"], errors="coerce").fillna(1).astype(int)
+        replaced = every[~every.index.isin(ok.index) & (_busy(every) >= BUSY_PCT)]
+        if not replaced.empty:
+            out += ["", f"Launched again after a busy host (the newest launch is the one read): {listed(replaced)}."]
+    return out
 
 
 def _main_table(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
@@ -318,7 +352,12 @@ def _time(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     """Where each run's step went (measured components, docs/time.md) and the step model's prediction:
     the median over the run's launches of each; stacked bars, measured beside predicted by component
     (rows from before the predicted components: the predicted step marked)."""
-    ok = rows[(rows.status == "ok") & rows.step_ms_mean.notna()]
+    ok = rows[(rows.status == "ok") & rows.step_ms_mean.notna()].copy()
+    ok["launch"] = pd.to_numeric(ok["repeat"], errors="coerce")
+    # a launch of --repeats run again (--relaunch-busy, --force): its newest row; rows without a launch index
+    # (a script run by hand, several times) all count
+    ok = ok[ok.launch.isna() | ~ok.duplicated(["label", "device_name", "launch"], keep="last")]
+    ok["launch"] = ok.launch.fillna(1)
     if ok.empty:
         return []
     cols = [f"step_{p}_ms" for p in TIME_PARTS] + ["step_ms_p50", "step_ms_mean", "pred_step_ms", "pred_time_error_pct"]
@@ -349,6 +388,7 @@ def _time(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
                       f"largest {errors.max():.1f}% ({errors.idxmax()}); {int((errors <= 15).sum())} of "
                       f"{len(errors)} within 15%."]
     lines += _time_order(ok, med)
+    lines += busy_launches(ok, rows)
     path = _time_chart(med, parts, out_dir, slug)
     return lines + ["", f"![{os.path.basename(path)}](charts/{os.path.basename(path)})"]
 

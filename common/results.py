@@ -49,6 +49,8 @@ COLUMNS = CONTRACT + [
     "step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms", "step_other_ms",
     "pred_step_ms", "pred_img_s", "pred_time_error_pct",
     "pred_data_ms", "pred_compute_ms", "pred_comm_exposed_ms", "pred_optimizer_ms",
+    # whether the run had its CPUs to itself in the window (common/measure/host.py)
+    "host_other_pct", "host_steal_pct", "cpu_wait_pct",
     # software fingerprint
     "cuda_version", "cudnn_version", "nccl_version", "driver_version", "deepspeed_version", "accelerate_version",
     # why a column that should hold a figure is empty (an instrument that had nothing to measure)
@@ -58,7 +60,8 @@ COLUMNS = CONTRACT + [
 _PRED_PARTS = [f"pred_{c}_gib" for c in ("params", "grads", "optimizer", "master", "comm")]
 # the step model's prediction by component, beside the measured step_*_ms (they add up to pred_step_ms)
 PRED_TIME_PARTS = ["pred_data_ms", "pred_compute_ms", "pred_comm_exposed_ms", "pred_optimizer_ms"]
-_LATER = ("workers", *PRED_TIME_PARTS)  # columns added after every header below: left out of each
+HOST = ["host_other_pct", "host_steal_pct", "cpu_wait_pct"]
+_LATER = ("workers", *PRED_TIME_PARTS, *HOST)  # columns added after every header below: left out of each
 _TIME = ["step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms",
          "step_other_ms", "pred_step_ms", "pred_img_s", "pred_time_error_pct"]
 
@@ -72,7 +75,8 @@ HISTORY.append(_before("tp_size", *_PRED_PARTS))  # a development header, notes 
 HISTORY.append(_before("tp_size", *_TIME))  # 0.4.0: before the time columns
 HISTORY.append(_before("tp_size"))  # 0.5.0: before tensor parallelism
 HISTORY.append(_before())  # 0.6.0: before `workers` (the loader processes a rank had)
-HISTORY.append([c for c in COLUMNS if c not in PRED_TIME_PARTS])  # a development header: workers, no predicted parts
+HISTORY.append([c for c in COLUMNS if c not in PRED_TIME_PARTS + HOST])  # development: workers, no predicted parts
+HISTORY.append([c for c in COLUMNS if c not in HOST])  # 5b7bdec: before the host's share of the window
 
 
 def _lock(path: str) -> FileLock:

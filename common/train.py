@@ -49,6 +49,7 @@ from .measure import Instrument
 from .measure.comm import PHASE, CommRecorder
 from .measure.energy import Energy
 from .measure.flops import Flops
+from .measure.host import HostShare
 from .measure.loader import probe_loader
 from .measure.model_state import ModelState
 from .measure.probes import Probes
@@ -290,7 +291,7 @@ def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: 
     state, times = ModelState(cfg, model, hooks.optimizer, hooks.device, probes, precision), StepTimes(hooks.device)
     setup, strategy = step_setup(cfg, state.setup, precision)
     return [probes, state, *comm, times, parts, TimePrediction(cfg, setup, hooks.device, times, loader_img_s, strategy),
-            Energy(devices, hooks.device, cfg.batch_size),
+            Energy(devices, hooks.device, cfg.batch_size), HostShare(hooks.device),
             Flops(cfg.model, cfg.image_size, precision, devices, hooks.device, lambda: m.throughput_img_s),
             *hooks.instruments]
 

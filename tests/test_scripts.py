@@ -65,6 +65,10 @@ def check_time(row):
     else:
         assert "pred_step_ms: " in row["notes"], row["notes"]
         assert predicted == [""] * 4
+    # the host's share (common/measure/host.py): Linux's /proc on every host these tests run on; the tests
+    # beside a shared launch make "other" anything from 0 to most of the host
+    share = [float(row[c]) for c in ("host_other_pct", "host_steal_pct", "cpu_wait_pct")]
+    assert all(0 <= v <= 100 for v in share), share
 
 
 def load_bare(final, model="resnet18", image_size=None):

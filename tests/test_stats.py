@@ -82,7 +82,7 @@ def test_report_shows_median_spread_ci_and_flag_for_repeated_runs_only(tmp_path)
     lines = (tmp_path / "R.md").read_text().splitlines()
     # a --force rerun of launch 2 that failed leaves launch 2's ok figure in place
     ddp = next(ln for ln in lines if ln.startswith("| t/ddp | 5 |"))
-    assert "| 100.0 | 2.0 | 98.0–102.0 |" in ddp and ddp.endswith("| 2.0% |  |")
+    assert "| 100.0 | 2.0 | 98.0–102.0 |" in ddp and ddp.endswith("| 2.0% | – |  |")  # no host columns: –
     lo, hi = stats.median_ci(SPEEDS["t/ddp"])
     assert f"{lo:.1f}–{hi:.1f}" in ddp
     fsdp = next(ln for ln in lines if ln.startswith("| t/fsdp | 3 |"))

@@ -482,9 +482,15 @@ def test_calibrate_entry_does_not_count_the_skew_twice(monkeypatch, tmp_path):
 
     monkeypatch.setattr(cal.subprocess, "Popen", popen)
     monkeypatch.setattr("common.results.read_rows", lambda path: [rows[int(path[-5])]])
-    got, _ = cal._concurrent([["a"], ["b"]], 1, "fake")
+    got, row = cal._concurrent([["a"], ["b"]], 1, "fake")
     assert got["opt_ms"] == 13.0 and got["fwd_ms"] + got["bwd_ms"] == 100.0
     assert got["sync_ms"] == pytest.approx(2.0)
+    # the host's share: of runs side by side each counts the other as other work, so none of their rows
+    # speaks for the draw (calibrate._quiet then takes the whole launch's); one run's row does
+    rows[0].update(host_other_pct="48.0", host_steal_pct="2.0")
+    rows[1].update(host_other_pct="49.0", host_steal_pct="1.0")
+    assert row["_busy_pct"] is None and cal._concurrent([["a"], ["b"]], 1, "fake")[1]["_busy_pct"] is None
+    assert cal._concurrent([["a"]], 1, "fake")[1]["_busy_pct"] == 50.0
 
 
 def test_deepspeed_adds_the_gradient_norms_all_reduce():
@@ -1143,6 +1149,7 @@ GRIDS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AS_RUN = {"xeon_2026-11-26_32px": (12, (8, 3.4, 0)), "xeon_2026-11-26_64px": (12, (9, 5.8, 0)),
           "xeon_2026-11-27_32px": (12, (12, 4.2, 0)), "xeon_2026-11-27_64px": (12, (10, 10.7, 3)),
           "xeon_2026-11-27b_32px": (12, (11, 5.3, 0)), "xeon_2026-11-27b_64px": (12, (9, 9.9, 0)),
+          "xeon_2026-11-27c_64px": (12, (12, 3.2, 0)),
           "h100_2026-11-26_throughput": (5, None)}
 
 STORED = sorted(g for g in os.listdir(GRIDS) if os.path.isfile(os.path.join(GRIDS, g, "summary.csv"))) \
@@ -1340,7 +1347,9 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
     proc = subprocess.run([sys.executable, "benchmark.py", "calibrate", "--preset", "t", "--matrix", str(matrix),
                            "--model", "resnet18", "--image-size", "32",
                            "--batch-size", "16", "--world-sizes", "1,2", "--microbatches", "2", "--steps", "2",
-                           "--link-min-bytes", "64K", "--link-max-bytes", "256K", "--threads", "1", "--out", str(cal)],
+                           "--link-min-bytes", "64K", "--link-max-bytes", "256K", "--threads", "1", "--out", str(cal),
+                           # a shared launch runs beside it (marked beside): every draw would find the host busy
+                           "--relaunch-busy", "0"],
                           cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(cal.read_text())

@@ -21,6 +21,7 @@ import yaml
 
 from ..config import PROJECT_ROOT, DistributedConfig, UsageError, resolve, to_flags
 from ..distributed import free_port
+from ..measure.host import BUSY_PCT, busy_pct
 from ..registry import BY_FILE, SCRIPTS
 from ..results import append_row, read_rows
 
@@ -290,6 +291,10 @@ def record_missing(run: dict, status: str, error: str, results: str, gpus: int) 
                          "cpu_threads": None})
 
 
+def _fmt_busy(row: dict) -> str:
+    return f"{row.get('host_other_pct') or 0}% of its CPU time to other work, {row.get('host_steal_pct') or 0}% stolen"
+
+
 def repeat_of(row: dict) -> int:
     """The launch index of a row; a row written without one (before --repeats) is the first launch."""
     return int(row["repeat"]) if row.get("repeat") else 1
@@ -324,6 +329,9 @@ def run_matrix(opts) -> int:
     repeats = getattr(opts, "repeats", 1)
     if repeats < 1:
         raise UsageError(f"--repeats must be >= 1; got {repeats}")
+    relaunch = getattr(opts, "relaunch_busy", 0)
+    if relaunch < 0:
+        raise UsageError(f"--relaunch-busy must be >= 0; got {relaunch}")
     runs = getattr(opts, "runs", None) or load_matrix(opts.matrix, opts.preset, only, gpus,
                                                       getattr(opts, "save_dir", ""))
     if getattr(opts, "world_sizes", ""):
@@ -349,9 +357,21 @@ def run_matrix(opts) -> int:
             print(f"[{i}/{len(runs)}] {run['name']}: needs a GPU, recorded as skipped")
             record_missing(run, "skipped", "needs CUDA devices (see docs/gpu-first-hour.md)", opts.results, gpus)
             continue
-        code, status, lines = execute(run, i, len(runs), gpus, opts.results, opts.log_dir, t0)
-        if len(done_rows(opts.results, run, device)) == len(done):
-            record_missing(run, status if status != "ok" else "failed", last_error_line(lines), opts.results, gpus)
+        for attempt in range(relaunch + 1):
+            code, status, lines = execute(run, i, len(runs), gpus, opts.results, opts.log_dir, t0)
+            now = done_rows(opts.results, run, device)
+            if len(now) == len(done):
+                record_missing(run, status if status != "ok" else "failed", last_error_line(lines), opts.results,
+                               gpus)
+                break
+            busy = busy_pct(now[-1]) if status == "ok" else None
+            if busy is None or busy < BUSY_PCT:
+                break
+            again = attempt < relaunch
+            print(f"    the host was busy in its window ({_fmt_busy(now[-1])}): "
+                  + (f"launched again ({attempt + 1} of {relaunch}); the report reads the newest launch" if again
+                     else "kept, busy"), flush=True)
+            done = now
         failures += status != "ok"
     print(f"matrix done in {time.time() - t0:.0f}s, {failures} run(s) not ok")
     return failures

@@ -137,7 +137,7 @@ def evaluate(results: str, calibration: str, workers: int = 0) -> Evaluation:
 
 def predict(opts) -> int:
     from ..measure.calibration import DEFAULT
-    from ..report import pairs_sentence
+    from ..report import busy_launches, pairs_sentence
 
     if not os.path.isfile(opts.results):
         raise UsageError(f"results file not found: {opts.results}")
@@ -164,6 +164,8 @@ def predict(opts) -> int:
             continue
         order = f"; {pairs_sentence(sc.pairs, sc.wrong)}" if sc.pairs else ""
         print(f"{name}: median error {sc.median_error_pct:.1f}%, {sc.within_15} of {sc.runs} within 15%" + order)
+    for line in filter(None, busy_launches(ev.ok)):
+        print(line)
     if getattr(opts, "parts", False):
         _print_parts(ev.ok)
     if ev.missing:

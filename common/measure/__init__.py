@@ -17,6 +17,7 @@ column of its own empty says why under the key "notes" (joined into the row's no
     steptime.py     the step-time distribution (CUDA events on GPU, wall clock on CPU)
     flops.py        FLOPs per training image, achieved TFLOP/s, the device's peak and MFU
     energy.py       energy over the window (NVML on GPU, RAPL on CPU) and images per joule
+    host.py         whether the run had its CPUs to itself: other work, hypervisor steal, run-queue waits
     comm.py         every collective of the first profiled steps, and the expected volume per strategy
 """
 from __future__ import annotations

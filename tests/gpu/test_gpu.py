@@ -89,6 +89,9 @@ def check_efficiency(row, world):
         assert row["energy_j"] == "" or as_float(row, "energy_j") > 0
     else:
         assert row["energy_j"] == "", "energy from a GPU without NVML's energy counter"
+    # the host's share of the window (common/measure/host.py): the GPU hosts these tests run on are Linux
+    assert all(0 <= as_float(row, c) <= 100 for c in ("host_other_pct", "host_steal_pct", "cpu_wait_pct")), \
+        [row[c] for c in ("host_other_pct", "host_steal_pct", "cpu_wait_pct")]
 
 
 def gpu_cases():
