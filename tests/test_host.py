@@ -56,8 +56,8 @@ def test_other_work_steal_and_waits_from_proc_over_the_window_only(tmp_path, mon
     row = h.row()
     # other: (12 - 6 + 10 - 10) of 40 s; steal 1 of 40; waits 2 of 20 s
     assert row == {"host_other_pct": 15.0, "host_steal_pct": 2.5, "cpu_wait_pct": 10.0,
-                   "notes": "busy host: of its CPUs' time in the window 15.0% to other work; "
-                            "the times are slower than on a quiet host"}
+                   "notes": "busy host: of its CPUs' time in the window 15.0% went to other work and 2.5% to "
+                            "the hypervisor; the times are slower than on a quiet host"}
 
 
 def test_a_quiet_host_gets_no_note_and_a_host_without_proc_empty_columns(tmp_path, monkeypatch):
@@ -75,6 +75,12 @@ def test_a_quiet_host_gets_no_note_and_a_host_without_proc_empty_columns(tmp_pat
     write_proc(tmp_path, {0: (10.5, 0, 99.5, 0)}, run_delay_ns=0)
     h.stop()
     assert "notes" not in h.row() and h.row()["host_other_pct"] == 5.0
+    write_proc(tmp_path, {0: (10, 0, 90, 0)}, run_delay_ns=0)
+    h = HostShare(torch.device("cpu"), proc=str(tmp_path))
+    h.start()
+    write_proc(tmp_path, {0: (10.5, 0, 99, 0.5)}, run_delay_ns=0)  # 5% other and 5% stolen: busy, as busy_pct
+    h.stop()
+    assert "notes" in h.row() and host_mod.busy_pct(h.row()) == 10.0
 
     h = HostShare(torch.device("cpu"), proc=str(tmp_path / "nowhere"))  # not Linux's /proc
     h.start()
@@ -110,6 +116,19 @@ def _window(work) -> dict:
 @pytest.mark.alone  # a launch beside it would be other work
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
 def test_a_busy_process_beside_the_window_is_other_work_and_the_runs_own_is_not():
+    """On 2 CPUs (this process and its children pinned there): one busy process beside the window is half of them."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs")
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus[:2])  # inherited by the children forked and started below
+    try:
+        _busy_beside()
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _busy_beside():
     ctx = multiprocessing.get_context("fork")
     live = ctx.Process(target=_spin, args=(30,))
 
@@ -225,3 +244,14 @@ def test_the_matrix_launches_a_busy_launch_again_and_the_report_says_so(tmp_path
     assert "t/ddp launch 1: 100.0 ms, 0.0% other, 30.0% stolen" in again
     assert "t/ddp launch 2: 100.0 ms, 0.0% other, 40.0% stolen" in again
     assert "| 45.0 | busy host |" in text  # the repeats table: the largest share of the launches read
+
+    def failing(run, i, n, gpus, results_, log_dir, t0):  # a relaunch that fails keeps the busy launch
+        if run["args"]["repeat"] == 3 and len(matrix.read_rows(results)) == 5:
+            return 1, "failed", ["boom"]
+        return execute(run, i, n, gpus, results_, log_dir, t0)
+
+    steal = iter([50.0])
+    monkeypatch.setattr(matrix, "execute", failing)
+    assert matrix.run_matrix(argparse.Namespace(**{**vars(opts), "repeats": 3})) == 0
+    assert [r["status"] for r in matrix.read_rows(results)][4:] == ["ok"]  # no failed row after it
+    assert "the launch again did not end ok: the busy launch is kept" in capsys.readouterr().out

@@ -144,9 +144,9 @@ def check_opts(opts) -> None:
 
 
 def run_slurm(opts) -> int:
-    if getattr(opts, "repeats", 1) != 1 or getattr(opts, "world_sizes", ""):
-        raise UsageError("--repeats and --world-sizes run with the local launcher only (one sbatch job per run "
-                         "has no rounds or world-size sweep yet)")
+    if getattr(opts, "repeats", 1) != 1 or getattr(opts, "world_sizes", "") or getattr(opts, "relaunch_busy", 0):
+        raise UsageError("--repeats, --world-sizes and --relaunch-busy run with the local launcher only (one sbatch "
+                         "job per run has no rounds, world-size sweep or relaunch yet)")
     check_opts(opts)
     only = [s.strip() for s in opts.only.split(",")] if opts.only else None
     runs = load_matrix(opts.matrix, opts.preset, only, opts.gpus_per_node, getattr(opts, "save_dir", ""))

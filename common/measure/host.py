@@ -23,7 +23,9 @@ host_* are host-wide, read by local rank 0 of each host over the CPUs it may run
 hosts (each host's window is its local rank 0's). Empty where /proc is not Linux's. The counters are
 read when the window opens, pauses, resumes and stops: a few small files, inside the window's first and
 last steps (a read 0.035 ms on the 2-CPU Xeon; /proc/stat has a line per CPU). A run whose host was busy
-gets a note (BUSY_PCT).
+(other work plus steal from BUSY_PCT, as busy_pct counts) gets a note. Local rank 0's affinity mask stands
+for its host's ranks: ranks pinned to other CPUs (DeepSpeed's --bind_cores_to_rank) spend time outside it,
+which is then taken off its busy time, and host_other_pct comes out low.
 """
 from __future__ import annotations
 
@@ -172,7 +174,7 @@ class HostShare(Instrument):
         self.ours += ours1 - ours0
         if delay0 is not None and delay1 is not None and threading.get_native_id() == self.thread:
             self.delay += delay1 - delay0
-        self.wall += t1 - t0
+            self.wall += t1 - t0
         self.last = None
 
     stop = pause
@@ -190,9 +192,7 @@ class HostShare(Instrument):
             steal = round(100 * summed["steal"] / total, 1)
         row = {"host_other_pct": other, "host_steal_pct": steal,
                "cpu_wait_pct": None if wait is None else round(wait, 1)}
-        busy = [f"{v}% {what}" for v, what in ((other, "to other work"), (steal, "stolen by the hypervisor"))
-                if v is not None and v >= BUSY_PCT]
-        if busy:
-            row["notes"] = (f"busy host: of its CPUs' time in the window {' and '.join(busy)}; "
-                            "the times are slower than on a quiet host")
+        if other is not None and other + steal >= BUSY_PCT:  # the rule of busy_pct: the matrix and calibrate's
+            row["notes"] = (f"busy host: of its CPUs' time in the window {other}% went to other work and {steal}% "
+                            "to the hypervisor; the times are slower than on a quiet host")
         return row
