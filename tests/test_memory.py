@@ -192,6 +192,7 @@ ADVISE_BAD = [
     (["calibrate", "--preset", "smoke", "--link-min-bytes", "1G"], "--link-min-bytes '1G': a size from 256 up to"),
     (["calibrate", "--preset", "smoke", "--device", "cpu", "--modes", "fp32,tf32"], "--modes tf32: TF32 is a CUDA"),
     (["calibrate", "--preset", "smoke", "--relaunch-busy", "-1"], "--relaunch-busy -1: 0 or more"),
+    (["calibrate", "--preset", "smoke", "--workers", "-1"], "--workers -1: 0 or more"),
 ]
 
 

@@ -805,6 +805,24 @@ def test_calibrate_gives_the_presets_channels_last_runs_their_own_entry(tmp_path
     assert "--no-channels-last" in to_flags(_run_args(spec))
 
 
+def test_calibrate_runs_a_gpus_entries_with_the_presets_loader():
+    """On a GPU the compute entries run with the preset's loader workers (--workers overrides): the GPU tier's
+    AMP step at batch 32 on an H100, launch-bound, was priced 16-23% short by entries measured without them
+    (docs/time.md). On a CPU the entries keep 0 workers, as the CPU grids were checked."""
+    from common.bench.calibrate import _run_args, _strategy_args, loader_workers
+    from common.config import to_flags
+
+    assert loader_workers(None, {"workers": 8}, cuda=True) == 8
+    assert loader_workers(None, {}, cuda=True) == 0
+    assert loader_workers(None, {"workers": 8}, cuda=False) == 0
+    assert loader_workers(2, {"workers": 8}, cuda=False) == 2 and loader_workers(0, {"workers": 8}, cuda=True) == 0
+    spec = {"model": "resnet18", "image_size": 32, "batch": 8, "optimizer": "sgd", "device": "cuda", "steps": 2}
+    for args in (_run_args({**spec, "workers": 8}), _strategy_args({"workers": 0}, {**spec, "workers": 8})):
+        flags = to_flags(args)
+        assert flags[flags.index("--workers") + 1] == "8"
+    assert _run_args(spec)["workers"] == 0
+
+
 def test_a_strategys_own_calibration_comes_first(tmp_path, monkeypatch):
     """A DDP run reads the entry of DDP run on one process (its own host work) before the plain model's;
     a strategy calibrate did not run falls back to the plain entry. (What DDP's buckets take from a CPU's
@@ -1145,12 +1163,13 @@ def test_predict_again_reads_the_rows_setup_and_a_calibration(tmp_path, capsys, 
 GRIDS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "time_grids")
 # each stored grid: its runs, and its figures as run (its rows' own pred_step_ms; docs/time.md): runs within
 # 15%, the median absolute error in %, the separated pairs predicted out of order. None: the rows predicted
-# nothing themselves (the H100's calibration ran after its runs, in the same lease), so the bars apply.
+# nothing themselves (the H100's calibration ran after its runs, in the same lease; the 2026-11-27 H100 grid is
+# priced from the 2026-11-26 lease's calibration, a copy beside it), so the bars apply.
 AS_RUN = {"xeon_2026-11-26_32px": (12, (8, 3.4, 0)), "xeon_2026-11-26_64px": (12, (9, 5.8, 0)),
           "xeon_2026-11-27_32px": (12, (12, 4.2, 0)), "xeon_2026-11-27_64px": (12, (10, 10.7, 3)),
           "xeon_2026-11-27b_32px": (12, (11, 5.3, 0)), "xeon_2026-11-27b_64px": (12, (9, 9.9, 0)),
           "xeon_2026-11-27c_64px": (12, (12, 3.2, 0)),
-          "h100_2026-11-26_throughput": (5, None)}
+          "h100_2026-11-26_throughput": (5, None), "h100_2026-11-27_throughput": (4, None)}
 
 STORED = sorted(g for g in os.listdir(GRIDS) if os.path.isfile(os.path.join(GRIDS, g, "summary.csv"))) \
     if os.path.isdir(GRIDS) else []

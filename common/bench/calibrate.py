@@ -70,6 +70,9 @@ def add_args(p) -> None:
                    "micro-batch; the preset's single-device runs with channels_last get theirs without it")
     p.add_argument("--no-strategies", action="store_true", help="skip the distributed runs of the preset on one "
                    "process (each strategy's own host work; fp32)")
+    p.add_argument("--workers", type=int, default=None, help="loader worker processes in each compute entry's run "
+                   "(default: the preset's on a GPU, 0 on a CPU). A GPU that outruns its host waits on the "
+                   "launching thread, which the loader beside it slows: measure with the loader the runs use")
     p.add_argument("--out", default=os.path.join("results", "calibration.json"), help="the calibration file")
 
 
@@ -154,7 +157,8 @@ def _run_args(spec: dict) -> dict:
     warmup, b = 3, spec["batch"]
     return {"device": spec["device"], "dataset": "synthetic", "pretrained": False, "model": spec["model"],
             "image_size": spec["image_size"], "batch_size": b, "optimizer": spec["optimizer"], "epochs": 1,
-            "train_samples": b * (warmup + spec["steps"]), "test_samples": b, "workers": 0, "warmup_steps": 0,
+            "train_samples": b * (warmup + spec["steps"]), "test_samples": b, "workers": spec.get("workers", 0),
+            "warmup_steps": 0,
             "log_every": 0, "timing_warmup_steps": warmup, "loader_probe_batches": 0, "epoch_checkpoints": False,
             "channels_last": bool(spec.get("channels_last"))}
 
@@ -246,6 +250,20 @@ def _wait_all(procs: list) -> int | None:
         stop_all()
         raise
     return failed if failed is not None else next((i for i, p in enumerate(procs) if p.returncode), None)
+
+
+def loader_workers(given: int | None, preset_args: dict, cuda: bool) -> int:
+    """The loader workers of the compute entries' runs. On a GPU, the preset's: a step the GPU finishes
+    before the host has queued the next one is the launching thread's pace, and the loader beside it (its
+    pinning thread in that process, its workers) slows that thread: the GPU tier's ResNet50 at batch 32 in
+    AMP bf16 on an H100 took 21.1 ms of compute calibrated without workers, 26.4 ms in a run with 2
+    (docs/time.md). On a CPU, 0: the cores' share the loader takes is priced apart (timepred.py's loader
+    bound), as the CPU grids were checked."""
+    if given is not None and given < 0:
+        raise UsageError(f"--workers {given}: 0 or more")
+    if given is not None:
+        return given
+    return int(preset_args.get("workers", 0)) if cuda else 0
 
 
 def _strategy_runs(opts, spec: dict, n: int, gpus: int, threads: int, procs: int) -> list[tuple[str, object]]:
@@ -523,6 +541,7 @@ def calibrate(opts) -> int:
     if opts.relaunch_busy < 0:
         raise UsageError(f"--relaunch-busy {opts.relaunch_busy}: 0 or more")
     relaunch = opts.relaunch_busy
+    workers = loader_workers(opts.workers, args, cuda)
     max_bytes = _link_max(opts.link_max_bytes, model, image)
     min_bytes = _link_min(opts.link_min_bytes, max_bytes)
     data = load(opts.out) or {}
@@ -547,14 +566,14 @@ def calibrate(opts) -> int:
         jobs = []  # (name, draw, optional): the plain compute's entries, then each strategy's on one process
         for mode, b, cl in setups:
             spec = {"model": model, "image_size": image, "batch": b, "mode": mode, "optimizer": optimizer,
-                    "device": device.type, "steps": opts.steps, "channels_last": cl}
+                    "device": device.type, "steps": opts.steps, "channels_last": cl, "workers": workers}
             jobs.append((key(model, image, b, mode, optimizer, procs, threads, cl), _spawn(spec, procs, threads),
                          False))
         strategies = {}  # a strategy run's name -> (mode, micro-batch) of its entry, fp32@<strategy>
         if not opts.no_strategies:  # at 1 too: a --world-sizes 1,2 run's first point is the script alone
             for mode in [m for m in modes if m == "fp32"]:
                 spec = {"model": model, "image_size": image, "batch": max(1, batch // n), "mode": mode,
-                        "optimizer": optimizer, "device": device.type, "steps": opts.steps}
+                        "optimizer": optimizer, "device": device.type, "steps": opts.steps, "workers": workers}
                 for name, draw in _strategy_runs(opts, spec, n, 1 if cuda else 0, threads, procs):
                     jobs.append((name, draw, True))
                     strategies[name] = (mode, spec["batch"])
@@ -571,7 +590,7 @@ def calibrate(opts) -> int:
                 seen.add(row["strategy"])
                 mode, b = strategies[name]
                 name = key(model, image, b, f"{mode}@{row['strategy']}", optimizer, procs, threads)
-            data["compute"][name] = {m: round(v, 4) for m, v in got.items()}
+            data["compute"][name] = {m: round(v, 4) for m, v in got.items()} | ({"workers": workers} if workers else {})
             own = f", its own collectives at one process {got['own_comm_ms']:.2f} ms" if got.get("own_comm_ms") else ""
             print(f"compute {name}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
                   f"optimizer {got['opt_ms']:.2f} ms{own}", flush=True)
