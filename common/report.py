@@ -18,7 +18,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from .config import PROJECT_ROOT  # noqa: E402
-from .measure.host import BUSY_PCT  # noqa: E402
+from .measure.host import BUSY_PCT, describe, is_busy  # noqa: E402
 from .measure.stats import NOISY_IQR, median, summarize  # noqa: E402
 from .results import COLUMNS, read_rows  # noqa: E402
 
@@ -182,7 +182,7 @@ def _repeats_table(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
         table.append([label, s.n, _fmt(median(times) if times else None, 1), _fmt(s.median, 1), _fmt(s.iqr, 1),
                       f"{s.min:.1f}–{s.max:.1f}", f"{s.ci_low:.1f}–{s.ci_high:.1f}",
                       f"{100 * s.iqr / s.median:.1f}%" if s.median else "–", _fmt(busy, 1),
-                      ", ".join(f for f in ("noisy" if s.noisy else "", "busy host" if busy >= BUSY_PCT else "") if f)])
+                      ", ".join(f for f in ("noisy" if s.noisy else "", "busy host" if is_busy(busy) else "") if f)])
     if not table:
         return []
     return [f"Repeated launches (`--repeats`): per run, over its ok launches, the median training time and "
@@ -205,18 +205,17 @@ def busy_launches(ok: pd.DataFrame, rows: pd.DataFrame | None = None) -> list[st
     later launch of the same index replaced (benchmark.py --relaunch-busy)."""
     def listed(frame):
         return "; ".join(f"{r.label} launch {_fmt(r.launch, 0)}: {_fmt(r.step_ms_p50, 1)} ms, "
-                         f"{_fmt(r.host_other_pct, 1)}% other, {_fmt(r.host_steal_pct, 1)}% stolen"
-                         for _, r in frame.iterrows())
+                         + describe(r.host_other_pct, r.host_steal_pct) for _, r in frame.iterrows())
 
     out = []
-    busy = ok[_busy(ok) >= BUSY_PCT]
+    busy = ok[is_busy(_busy(ok))]
     if not busy.empty:
         out += ["", f"On a busy host ({BUSY_PCT:.0f}% or more of its CPU time to other work or the hypervisor in "
                     f"the window; their step times are slower than the host's own): {listed(busy)}."]
     if rows is not None:
         every = rows[rows.status == "ok"].copy()
         every["launch"] = pd.to_numeric(every["repeat"], errors="coerce").fillna(1).astype(int)
-        replaced = every[~every.index.isin(ok.index) & (_busy(every) >= BUSY_PCT)]
+        replaced = every[~every.index.isin(ok.index) & is_busy(_busy(every))]
         if not replaced.empty:
             out += ["", f"Launched again after a busy host (the newest launch is the one read): {listed(replaced)}."]
     return out
@@ -435,7 +434,7 @@ def _time_chart(med: pd.DataFrame, parts: pd.Series, out_dir: str, slug: str) ->
     ax.set_yticks(range(len(med)))
     ax.set_yticklabels(list(med.index))
     ax.invert_yaxis()
-    ax.set_xlim(0, max(ends) * 1.08)
+    ax.set_xlim(0, max(ends) * 1.08 or 1.0)  # rows with a step time but no component: an empty chart, not a warning
     ax.set_xlabel("ms per optimizer step")
     ax.set_title("Measured step by component" + (", predicted below it (hatched)" if pairs else "")
                  + (", predicted step (|)" if ticks else ""), fontsize=10)

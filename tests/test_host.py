@@ -56,8 +56,8 @@ def test_other_work_steal_and_waits_from_proc_over_the_window_only(tmp_path, mon
     row = h.row()
     # other: (12 - 6 + 10 - 10) of 40 s; steal 1 of 40; waits 2 of 20 s
     assert row == {"host_other_pct": 15.0, "host_steal_pct": 2.5, "cpu_wait_pct": 10.0,
-                   "notes": "busy host: of its CPUs' time in the window 15.0% went to other work and 2.5% to "
-                            "the hypervisor; the times are slower than on a quiet host"}
+                   "notes": "busy host: of its CPUs' time in the window 15.0% other work, 2.5% stolen; the times "
+                            "are slower than on a quiet host"}
 
 
 def test_a_quiet_host_gets_no_note_and_a_host_without_proc_empty_columns(tmp_path, monkeypatch):
@@ -239,10 +239,10 @@ def test_the_matrix_launches_a_busy_launch_again_and_the_report_says_so(tmp_path
     assert out.count("launched again (1 of 1)") == 2 and out.count("kept, busy") == 1
     write_report(results, str(tmp_path / "R.md"))
     text = (tmp_path / "R.md").read_text()
-    assert "On a busy host" in text and "t/ddp launch 2: 100.0 ms, 0.0% other, 45.0% stolen" in text
+    assert "On a busy host" in text and "t/ddp launch 2: 100.0 ms, 0.0% other work, 45.0% stolen" in text
     again = next(ln for ln in text.splitlines() if ln.startswith("Launched again after a busy host"))
-    assert "t/ddp launch 1: 100.0 ms, 0.0% other, 30.0% stolen" in again
-    assert "t/ddp launch 2: 100.0 ms, 0.0% other, 40.0% stolen" in again
+    assert "t/ddp launch 1: 100.0 ms, 0.0% other work, 30.0% stolen" in again
+    assert "t/ddp launch 2: 100.0 ms, 0.0% other work, 40.0% stolen" in again
     assert "| 45.0 | busy host |" in text  # the repeats table: the largest share of the launches read
 
     def failing(run, i, n, gpus, results_, log_dir, t0):  # a relaunch that fails keeps the busy launch

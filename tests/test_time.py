@@ -785,7 +785,7 @@ def test_calibrate_gives_the_presets_channels_last_runs_their_own_entry(tmp_path
     args: {batch_size: 128, channels_last: false}
     runs:
       - {name: amp_fast, script: pytorch_auto_mixed_precision.py, args: {precision: bf16, channels_last: true,
-         batch_size: 256}}
+         batch_size: 256, loader: gpu}}
       - {name: amp, script: pytorch_auto_mixed_precision.py, args: {precision: bf16}}
       - {name: tf32_nhwc, script: pytorch_SingleGPU.py, args: {tf32: true, channels_last: true}}
       - {name: half_nhwc, script: pytorch_half_precision.py, args: {precision: bf16, channels_last: true}}
@@ -794,11 +794,11 @@ def test_calibrate_gives_the_presets_channels_last_runs_their_own_entry(tmp_path
     opts = SimpleNamespace(matrix=str(m), preset="p")
     modes = ["fp32", "tf32", "amp_bf16"]
     # on CUDA the --tf32 run is the tf32 mode; the pure bf16 one is not among the modes; DDP is no single device
-    assert _channels_last_setups(opts, 128, 64, modes, cuda=True) == [("amp_bf16", 256), ("tf32", 64)]
+    assert _channels_last_setups(opts, 128, 64, modes, cuda=True) == [("amp_bf16", 256, "gpu"), ("tf32", 64, "torch")]
     # on a CPU --tf32 changes no kernel: the fp32 entry prices it
-    assert _channels_last_setups(opts, 128, 64, modes, cuda=False) == [("amp_bf16", 256), ("fp32", 64)]
-    assert _channels_last_setups(opts, 128, 64, ["pure_bf16"], cuda=False) == [("pure_bf16", 64)]
-    assert _channels_last_setups(opts, 128, 64, ["fp32"], cuda=False) == [("fp32", 64)]
+    assert _channels_last_setups(opts, 128, 64, modes, cuda=False) == [("amp_bf16", 256, "gpu"), ("fp32", 64, "torch")]
+    assert _channels_last_setups(opts, 128, 64, ["pure_bf16"], cuda=False) == [("pure_bf16", 64, "torch")]
+    assert _channels_last_setups(opts, 128, 64, ["fp32"], cuda=False) == [("fp32", 64, "torch")]
     # the entry's launch runs in channels-last, as its key says
     spec = {"model": "resnet18", "image_size": 32, "batch": 8, "optimizer": "sgd", "device": "cpu", "steps": 2}
     assert "--channels-last" in to_flags(_run_args({**spec, "channels_last": True}))
@@ -806,9 +806,9 @@ def test_calibrate_gives_the_presets_channels_last_runs_their_own_entry(tmp_path
 
 
 def test_calibrate_runs_a_gpus_entries_with_the_presets_loader():
-    """On a GPU the compute entries run with the preset's loader workers (--workers overrides): the GPU tier's
-    AMP step at batch 32 on an H100, launch-bound, was priced 16-23% short by entries measured without them
-    (docs/time.md). On a CPU the entries keep 0 workers, as the CPU grids were checked."""
+    """On a GPU the compute entries run with the preset's loader workers (--workers overrides), as the runs
+    do: entries measured without them priced the GPU tier's AMP step at batch 32 on an H100 16-23% short, for
+    a cause not settled (docs/time.md). On a CPU the entries keep 0 workers, as the CPU grids were checked."""
     from common.bench.calibrate import _run_args, _strategy_args, loader_workers
     from common.config import to_flags
 
@@ -821,6 +821,53 @@ def test_calibrate_runs_a_gpus_entries_with_the_presets_loader():
         flags = to_flags(args)
         assert flags[flags.index("--workers") + 1] == "8"
     assert _run_args(spec)["workers"] == 0
+
+
+def test_calibrate_launches_every_entry_with_its_loader_workers(tmp_path, monkeypatch):
+    """calibrate() end to end, its launches recorded: the plain entries and the strategies' one-process ones
+    run with --workers, a run of the GPU loader's channels-last entry with none, and each entry keeps its
+    workers in the file."""
+    import argparse
+    import json
+
+    from common.bench import calibrate as cal
+
+    m = tmp_path / "m.yaml"
+    m.write_text("""presets:
+  p:
+    args: {model: resnet18, image_size: 32, batch_size: 8, workers: 3}
+    runs:
+      - {script: pytorch_SingleGPU.py}
+      - {script: pytorch_DDP.py}
+      - {name: amp_fast, script: pytorch_auto_mixed_precision.py, args: {precision: bf16, channels_last: true,
+         batch_size: 16, loader: gpu}}
+""")
+    launched = []
+
+    def fake(cmds, threads, what):
+        launched.append(cmds[0])
+        strategy = "ddp" if "pytorch_DDP.py" in cmds[0] else "single"
+        return {"fwd_ms": 1.0, "bwd_ms": 2.0, "opt_ms": 0.5, "sync_ms": 0.0, "own_comm_ms": 0.0}, \
+            {"strategy": strategy, "_busy_pct": 0.0}
+
+    monkeypatch.setattr(cal, "_concurrent", fake)
+    p = argparse.ArgumentParser()
+    cal.add_args(p)
+    out = tmp_path / "cal.json"
+    opts = p.parse_args(["--preset", "p", "--matrix", str(m), "--device", "cpu", "--world-sizes", "1",
+                         "--modes", "fp32,amp_bf16", "--microbatches", "0", "--workers", "2", "--out", str(out)])
+    assert cal.calibrate(opts) == 0
+
+    def workers(cmd):
+        return cmd[cmd.index("--workers") + 1]
+
+    assert len(launched) == 4  # fp32 and amp_bf16 at 8, amp_bf16 channels-last at 16, DDP on one process
+    assert {workers(c) for c in launched if "--channels-last" not in c} == {"2"}
+    (cl,) = [c for c in launched if "--channels-last" in c]
+    assert workers(cl) == "0" and cl[cl.index("--batch-size") + 1] == "16"
+    entries = json.loads(out.read_text())["compute"]
+    assert sorted((k.split("|")[3], k.split("|")[-1], v.get("workers", 0)) for k, v in entries.items()) == \
+        [("amp_bf16", "cl0", 2), ("amp_bf16", "cl1", 0), ("fp32", "cl0", 2), ("fp32@ddp", "cl0", 2)]
 
 
 def test_a_strategys_own_calibration_comes_first(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ import sys
 import tempfile
 
 from ..config import DistributedConfig, UsageError, resolve, to_flags
-from ..measure.host import BUSY_PCT, LaunchShare, busy_pct
+from ..measure.host import LaunchShare, busy_pct, describe, is_busy
 from ..names import classification_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,8 +71,7 @@ def add_args(p) -> None:
     p.add_argument("--no-strategies", action="store_true", help="skip the distributed runs of the preset on one "
                    "process (each strategy's own host work; fp32)")
     p.add_argument("--workers", type=int, default=None, help="loader worker processes in each compute entry's run "
-                   "(default: the preset's on a GPU, 0 on a CPU). A GPU that outruns its host waits on the "
-                   "launching thread, which the loader beside it slows: measure with the loader the runs use")
+                   "(default: the preset's on a GPU, 0 on a CPU), so that the entries run as the runs do")
     p.add_argument("--out", default=os.path.join("results", "calibration.json"), help="the calibration file")
 
 
@@ -104,12 +103,11 @@ def _quiet(draw, relaunch: int, what: str):
             got = draw()
         row = got[1] if isinstance(got, tuple) and isinstance(got[1], dict) else {}
         busy = row.get("_busy_pct") if row.get("_busy_pct") is not None else share.pct
-        if busy is None or busy < BUSY_PCT:
+        if not is_busy(busy):
             return got
         again = attempt < relaunch
-        split = (f"{row['host_other_pct']}% other work, {row['host_steal_pct']}% stolen"
-                 if row.get("_busy_pct") is not None else
-                 f"{share.other}% other work, {share.steal}% stolen, over the whole launch")
+        split = (describe(row["host_other_pct"], row["host_steal_pct"]) if row.get("_busy_pct") is not None else
+                 describe(share.other, share.steal) + ", over the whole launch")
         print(f"{what}: the host was busy ({busy:.1f}% of its CPU time: {split}): "
               + (f"launched again ({attempt + 1} of {relaunch})" if again else "kept, busy"), flush=True)
     return got
@@ -253,12 +251,13 @@ def _wait_all(procs: list) -> int | None:
 
 
 def loader_workers(given: int | None, preset_args: dict, cuda: bool) -> int:
-    """The loader workers of the compute entries' runs. On a GPU, the preset's: a step the GPU finishes
-    before the host has queued the next one is the launching thread's pace, and the loader beside it (its
-    pinning thread in that process, its workers) slows that thread: the GPU tier's ResNet50 at batch 32 in
-    AMP bf16 on an H100 took 21.1 ms of compute calibrated without workers, 26.4 ms in a run with 2
-    (docs/time.md). On a CPU, 0: the cores' share the loader takes is priced apart (timepred.py's loader
-    bound), as the CPU grids were checked."""
+    """The loader workers of the compute entries' runs: on a GPU the preset's, so that an entry runs as the
+    runs do; on a CPU 0, as the CPU grids were checked (a loader's share of the cores is priced apart: the
+    loader bound of timepred.py). On an H100, entries measured without workers priced the GPU tier's AMP step
+    at batch 32, whose pace is the launching thread's, 16-23% short; its compute phase took 26.4-28.2 ms in
+    runs with 0, 2 and 8 workers against 21.1 in the calibration, and an entry with the runs' 2 workers
+    passed. What made the workers-0 launch fast is not settled (docs/time.md). An entry's 13 batches are
+    fewer than 8 workers fetch ahead (2 each), so with that many they finish early in its window."""
     if given is not None and given < 0:
         raise UsageError(f"--workers {given}: 0 or more")
     if given is not None:
@@ -295,8 +294,9 @@ def _strategy_args(args: dict, spec: dict) -> dict:
     return out
 
 
-def _channels_last_setups(opts, preset_batch, batch: int, modes: list[str], cuda: bool) -> list[tuple[str, int]]:
-    """(mode, batch) of the preset's single-device runs in channels-last whose mode is among `modes`: the
+def _channels_last_setups(opts, preset_batch, batch: int, modes: list[str],
+                          cuda: bool) -> list[tuple[str, int, str]]:
+    """(mode, batch, loader) of the preset's single-device runs in channels-last whose mode is among `modes`: the
     throughput preset's amp_bf16_fast (channels-last, its own batch of 256). The memory format changes
     which kernels run, so an NCHW entry never prices such a run (calibration.find_compute matches the key's
     cl), and without an entry of its own it gets no pred_step_ms. A run's own batch is kept; one that
@@ -318,8 +318,8 @@ def _channels_last_setups(opts, preset_batch, batch: int, modes: list[str], cuda
         precision = str(args.get("precision") or BY_FILE[run["script"]].precisions[0])
         mode = compute_mode(strategy, precision, cuda and bool(args.get("tf32")))
         b = int(args["batch_size"]) if args.get("batch_size") not in (None, preset_batch) else batch
-        if mode in modes and SCRIPT[mode][0] == run["script"] and (mode, b) not in out:
-            out.append((mode, b))
+        if mode in modes and SCRIPT[mode][0] == run["script"] and (mode, b) not in [o[:2] for o in out]:
+            out.append((mode, b, str(args.get("loader") or "torch")))
     return out
 
 
@@ -558,15 +558,19 @@ def calibrate(opts) -> int:
         early = [_collectives(n, device.type, threads, max_bytes, min_bytes, relaunch)] \
             if n > 1 and opts.repeats > 1 else []
         micro = {max(1, batch // n)} | ({max(1, batch // opts.microbatches)} if opts.microbatches and n > 1 else set())
-        setups = [(mode, b, False) for mode in modes for b in sorted(micro)]
-        setups += [(mode, b, True) for mode in modes for b in sorted(micro) if opts.channels_last]
+        setups = [(mode, b, False, workers) for mode in modes for b in sorted(micro)]
+        setups += [(mode, b, True, workers) for mode in modes for b in sorted(micro) if opts.channels_last]
         if n == 1:
             own = _channels_last_setups(opts, args.get("batch_size"), batch, modes, cuda)
-            setups += [(mode, b, True) for mode, b in own if (mode, b, True) not in setups]
+            # a run of the GPU loader has no workers: its entry has none either
+            setups += [(mode, b, True, 0 if loader == "gpu" else workers) for mode, b, loader in own
+                       if (mode, b, True) not in [x[:3] for x in setups]]
         jobs = []  # (name, draw, optional): the plain compute's entries, then each strategy's on one process
-        for mode, b, cl in setups:
+        entry_workers = {}  # an entry's key -> the loader workers it ran with (the strategies': `workers`)
+        for mode, b, cl, w in setups:
             spec = {"model": model, "image_size": image, "batch": b, "mode": mode, "optimizer": optimizer,
-                    "device": device.type, "steps": opts.steps, "channels_last": cl, "workers": workers}
+                    "device": device.type, "steps": opts.steps, "channels_last": cl, "workers": w}
+            entry_workers[key(model, image, b, mode, optimizer, procs, threads, cl)] = w
             jobs.append((key(model, image, b, mode, optimizer, procs, threads, cl), _spawn(spec, procs, threads),
                          False))
         strategies = {}  # a strategy run's name -> (mode, micro-batch) of its entry, fp32@<strategy>
@@ -590,7 +594,8 @@ def calibrate(opts) -> int:
                 seen.add(row["strategy"])
                 mode, b = strategies[name]
                 name = key(model, image, b, f"{mode}@{row['strategy']}", optimizer, procs, threads)
-            data["compute"][name] = {m: round(v, 4) for m, v in got.items()} | ({"workers": workers} if workers else {})
+            w = entry_workers.get(name, workers)
+            data["compute"][name] = {m: round(v, 4) for m, v in got.items()} | ({"workers": w} if w else {})
             own = f", its own collectives at one process {got['own_comm_ms']:.2f} ms" if got.get("own_comm_ms") else ""
             print(f"compute {name}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
                   f"optimizer {got['opt_ms']:.2f} ms{own}", flush=True)

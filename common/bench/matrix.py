@@ -21,7 +21,7 @@ import yaml
 
 from ..config import PROJECT_ROOT, DistributedConfig, UsageError, resolve, to_flags
 from ..distributed import free_port
-from ..measure.host import BUSY_PCT, busy_pct
+from ..measure.host import busy_pct, describe, is_busy
 from ..registry import BY_FILE, SCRIPTS
 from ..results import append_row, read_rows
 
@@ -291,10 +291,6 @@ def record_missing(run: dict, status: str, error: str, results: str, gpus: int) 
                          "cpu_threads": None})
 
 
-def _fmt_busy(row: dict) -> str:
-    return f"{row.get('host_other_pct') or 0}% of its CPU time to other work, {row.get('host_steal_pct') or 0}% stolen"
-
-
 def repeat_of(row: dict) -> int:
     """The launch index of a row; a row written without one (before --repeats) is the first launch."""
     return int(row["repeat"]) if row.get("repeat") else 1
@@ -368,11 +364,11 @@ def run_matrix(opts) -> int:
                 record_missing(run, status if status != "ok" else "failed", last_error_line(lines), opts.results,
                                gpus)
                 break
-            busy = busy_pct(now[-1]) if status == "ok" else None
-            if busy is None or busy < BUSY_PCT:
+            if status != "ok" or not is_busy(busy_pct(now[-1])):
                 break
             again = attempt < relaunch
-            print(f"    the host was busy in its window ({_fmt_busy(now[-1])}): "
+            share = describe(now[-1].get("host_other_pct"), now[-1].get("host_steal_pct"))
+            print(f"    the host was busy in its window ({share}): "
                   + (f"launched again ({attempt + 1} of {relaunch}); the report reads the newest launch" if again
                      else "kept, busy"), flush=True)
             done = now

@@ -99,6 +99,35 @@ def run_delay_s(proc: str = PROC) -> float | None:
         return None
 
 
+def affinity() -> set[int] | None:
+    """The CPUs this process may run on (its host's share is theirs); None where the platform cannot say."""
+    try:
+        return os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return None
+
+
+def shares(busy: float, steal: float, total: float, ours: float) -> tuple[float, float] | None:
+    """(other work, steal) as % of the CPUs' time, to 0.1: their busy time less the run's own, and the
+    hypervisor's; None for no time to share out (no host read, or less than a clock tick)."""
+    if not total:
+        return None
+    return round(max(0.0, 100 * (busy - ours) / total), 1), round(100 * steal / total, 1)
+
+
+def is_busy(pct) -> bool:
+    """busy_pct's figure (or its pandas column) at or above BUSY_PCT: the host's rule, for the row's note,
+    calibrate's and the matrix's relaunch, and the report's flags."""
+    return pct is not None and pct >= BUSY_PCT
+
+
+def describe(other, steal) -> str:
+    """The host's share in words, as every message about a busy host puts it."""
+    def pct(v):
+        return "?" if v in (None, "") or v != v else f"{float(v):.1f}"
+    return f"{pct(other)}% other work, {pct(steal)}% stolen"
+
+
 def busy_pct(row: dict) -> float | None:
     """A row's share of its host's CPU time that was not the run's (other work plus steal), %; None for a row
     that measured neither."""
@@ -115,10 +144,7 @@ class LaunchShare:
 
     def __init__(self, proc: str = PROC):
         self.proc, self.pct, self.other, self.steal = proc, None, None, None
-        try:
-            self.cpus = os.sched_getaffinity(0)
-        except (AttributeError, OSError):
-            self.cpus = None
+        self.cpus = affinity()
 
     def _read(self):
         t = os.times()
@@ -130,11 +156,11 @@ class LaunchShare:
 
     def __exit__(self, *exc):
         (lines0, ours0), (lines1, ours1) = self.before, self._read()
-        if lines0 is not None and lines1 is not None and lines1[2] > lines0[2]:
-            busy, steal, total = (b - a for a, b in zip(lines0, lines1))
-            self.other = round(100 * max(0.0, busy - (ours1 - ours0)) / total, 1)
-            self.steal = round(100 * steal / total, 1)
-            self.pct = round(self.other + self.steal, 1)
+        if lines0 is not None and lines1 is not None:
+            got = shares(*(b - a for a, b in zip(lines0, lines1)), ours1 - ours0)
+            if got:
+                self.other, self.steal = got
+                self.pct = round(self.other + self.steal, 1)
         return False
 
 
@@ -142,10 +168,7 @@ class HostShare(Instrument):
     def __init__(self, run_device: torch.device, proc: str = PROC):
         self.run_device, self.proc = run_device, proc
         self.owner = local_rank() == 0  # the ranks of a host share its CPUs: one reads them
-        try:
-            self.cpus = os.sched_getaffinity(0)
-        except (AttributeError, OSError):
-            self.cpus = None
+        self.cpus = affinity()
         self.busy = self.steal = self.total = self.ours = self.delay = self.wall = 0.0
         self.readable = self.owner and cpu_lines(proc, self.cpus) is not None
         self.waits = run_delay_s(proc) is not None
@@ -185,14 +208,10 @@ class HostShare(Instrument):
                                  "ours": self.ours}, self.run_device, "sum")
         wait = reduce_metrics({"wait": 100 * self.delay / self.wall if self.waits and self.wall else None},
                               self.run_device, "max")["wait"]
-        total = summed["total"]
-        other = steal = None
-        if total:  # None: no host readable; 0: a window shorter than a clock tick, nothing to share out
-            other = round(max(0.0, 100 * (summed["busy"] - summed["ours"]) / total), 1)
-            steal = round(100 * summed["steal"] / total, 1)
+        other, steal = shares(summed["busy"], summed["steal"], summed["total"], summed["ours"]) or (None, None)
         row = {"host_other_pct": other, "host_steal_pct": steal,
                "cpu_wait_pct": None if wait is None else round(wait, 1)}
-        if other is not None and other + steal >= BUSY_PCT:  # the rule of busy_pct: the matrix and calibrate's
-            row["notes"] = (f"busy host: of its CPUs' time in the window {other}% went to other work and {steal}% "
-                            "to the hypervisor; the times are slower than on a quiet host")
+        if is_busy(busy_pct(row)):
+            row["notes"] = (f"busy host: of its CPUs' time in the window {describe(other, steal)}; the times are "
+                            "slower than on a quiet host")
         return row
