@@ -1215,7 +1215,7 @@ GRIDS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AS_RUN = {"xeon_2026-11-26_32px": (12, (8, 3.4, 0)), "xeon_2026-11-26_64px": (12, (9, 5.8, 0)),
           "xeon_2026-11-27_32px": (12, (12, 4.2, 0)), "xeon_2026-11-27_64px": (12, (10, 10.7, 3)),
           "xeon_2026-11-27b_32px": (12, (11, 5.3, 0)), "xeon_2026-11-27b_64px": (12, (9, 9.9, 0)),
-          "xeon_2026-11-27c_64px": (12, (12, 3.2, 0)),
+          "xeon_2026-11-27c_64px": (12, (12, 3.2, 0)), "xeon_2026-11-27d_32px": (12, (10, 5.6, 0)),
           "h100_2026-11-26_throughput": (5, None), "h100_2026-11-27_throughput": (4, None)}
 
 STORED = sorted(g for g in os.listdir(GRIDS) if os.path.isfile(os.path.join(GRIDS, g, "summary.csv"))) \
