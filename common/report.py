@@ -162,12 +162,17 @@ def latest(rows: pd.DataFrame) -> pd.DataFrame:
     return rows.groupby("label", dropna=False, sort=False).tail(1)
 
 
+def _launch_index(rows: pd.DataFrame) -> pd.Series:
+    """Each row's launch index of --repeats (matrix.repeat_of's), NaN for a row written without one."""
+    return pd.to_numeric(rows["repeat"], errors="coerce")
+
+
 def launches(rows: pd.DataFrame) -> pd.DataFrame:
     """The ok rows of each run's launches (benchmark.py --repeats): the newest ok row per run label,
     device and launch index (a row without one is the first launch), so a --force rerun replaces a
     launch instead of adding one."""
     ok = rows[rows.status == "ok"].copy()
-    ok["launch"] = pd.to_numeric(ok["repeat"], errors="coerce").fillna(1).astype(int)
+    ok["launch"] = _launch_index(ok).fillna(1).astype(int)
     return ok.groupby(["label", "device_name", "launch"], dropna=False, sort=False).tail(1)
 
 
@@ -214,7 +219,7 @@ def busy_launches(ok: pd.DataFrame, rows: pd.DataFrame | None = None) -> list[st
                     f"the window; their step times are slower than the host's own): {listed(busy)}."]
     if rows is not None:
         every = rows[rows.status == "ok"].copy()
-        every["launch"] = pd.to_numeric(every["repeat"], errors="coerce").fillna(1).astype(int)
+        every["launch"] = _launch_index(every).fillna(1).astype(int)
         replaced = every[~every.index.isin(ok.index) & is_busy(_busy(every))]
         if not replaced.empty:
             out += ["", f"Launched again after a busy host (the newest launch is the one read): {listed(replaced)}."]
@@ -352,7 +357,7 @@ def _time(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     the median over the run's launches of each; stacked bars, measured beside predicted by component
     (rows from before the predicted components: the predicted step marked)."""
     ok = rows[(rows.status == "ok") & rows.step_ms_mean.notna()].copy()
-    ok["launch"] = pd.to_numeric(ok["repeat"], errors="coerce")
+    ok["launch"] = _launch_index(ok)
     # a launch of --repeats run again (--relaunch-busy, --force): its newest row; rows without a launch index
     # (a script run by hand, several times) all count
     ok = ok[ok.launch.isna() | ~ok.duplicated(["label", "device_name", "launch"], keep="last")]
