@@ -30,8 +30,10 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line, exit code 2, nothing written to results."""
 
 
-def opt(default, help, choices=None, min=None):
-    return field(default=default, metadata={"help": help, "choices": choices, "min": min})
+def opt(default, help, choices=None, min=None, hidden=False):
+    """A config field. hidden: set by the harness (benchmark.py, calibrate), not typed by users: accepted,
+    but left out of --help (docs/configuration.md lists them)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "min": min, "hidden": hidden})
 
 
 @dataclass
@@ -97,20 +99,21 @@ class TrainConfig(EvalConfig):
                           "before the timed window opens (comm_* columns, step_comm_exposed_ms; on one CPU process "
                           "only the latter); 0 = off", min=0)
     calibration: str = opt("", "the step model's measured inputs (benchmark.py calibrate) for the pred_step_ms "
-                           "columns; empty = results/calibration.json")
+                           "columns; empty = results/calibration.json", hidden=True)
     lockstep: str = opt("", "HOST:PORT:N of a TCPStore (benchmark.py calibrate sets it): before every optimizer "
                         "step the run waits there for N-1 other single-process runs, so they step together as "
-                        "a job's ranks do; empty = off")
+                        "a job's ranks do; empty = off", hidden=True)
     log_every: int = opt(50, "print progress every N optimizer steps (one host sync each); 0 = never", min=0)
     max_nonfinite_steps: int = opt(5, "stop as 'diverged' after this many consecutive non-finite losses", min=1)
     target_accuracy: float = opt(0.0, "evaluate after every epoch and record time_to_target_s, the training "
                                  "time until the test accuracy first reaches this; 0 = off", min=0.0)
     loader_probe_batches: int = opt(10, "before training, time this many batches of the input pipeline alone "
                                     "(loader_img_s; a warning when it is the bottleneck); 0 = off", min=0)
-    run_name: str = opt("", "label stored in the CSV row's run_name (benchmark.py sets it)")
-    repeat: int = opt(0, "launch index stored in the row's repeat (benchmark.py --repeats sets it); 0 = none", min=0)
+    run_name: str = opt("", "label stored in the CSV row's run_name (benchmark.py sets it)", hidden=True)
+    repeat: int = opt(0, "launch index stored in the row's repeat (benchmark.py --repeats sets it); 0 = none", min=0,
+                 hidden=True)
     scaling: str = opt("", "strong or weak, stored in the row's scaling (benchmark.py --world-sizes sets it)",
-                       choices=("", "strong", "weak"))
+                       choices=("", "strong", "weak"), hidden=True)
     # --- training state ---
     resume: str = opt("", "auto = continue from <save_dir>/<script>/resume when there is one (else start); "
                       "PATH = that checkpoint, which must exist; empty = start from scratch")
@@ -229,7 +232,8 @@ def build_parser(cls, description: str, precisions: Sequence[str]) -> argparse.A
         choices = f.metadata.get("choices")
         if f.name == "precision":
             choices = tuple(precisions)
-        help_ = f.metadata["help"] + (f" (default {f.default})" if f.default not in ("", None) else "")
+        help_ = argparse.SUPPRESS if f.metadata.get("hidden") else \
+            f.metadata["help"] + (f" (default {f.default})" if f.default not in ("", None) else "")
         if _tp(f) == "bool":
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
         else:

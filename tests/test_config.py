@@ -46,6 +46,22 @@ def test_precision_restricted_per_script():
     assert parse_config(TrainConfig, precisions=("fp16", "bf16"), argv=[]).precision == "fp16"
 
 
+HARNESS_FLAGS = ("--calibration", "--lockstep", "--run-name", "--repeat", "--scaling")
+
+
+def test_help_shows_what_a_user_types_and_the_harness_flags_still_parse():
+    """benchmark.py and calibrate set these; --help hides them (docs/configuration.md lists them)."""
+    from common.config import DistributedConfig, build_parser
+
+    shown = build_parser(DistributedConfig, "", ("fp32",)).format_help()
+    assert not [f for f in HARNESS_FLAGS if f + " " in shown or f + "\n" in shown], shown
+    assert "--batch-size" in shown and "--comm-steps" in shown
+    cfg = parse_config(TrainConfig, argv=["--run-name", "smoke/x", "--repeat", "2", "--scaling", "weak",
+                                          "--calibration", "c.json", "--lockstep", "h:1:2"])
+    assert (cfg.run_name, cfg.repeat, cfg.scaling, cfg.calibration, cfg.lockstep) == (
+        "smoke/x", 2, "weak", "c.json", "h:1:2")
+
+
 def test_underscore_alias_for_deepspeed_launcher():
     from dataclasses import dataclass
 
