@@ -30,12 +30,20 @@ from common import (
     save_final,
     steps_per_epoch,
 )
-from common.accel import AccelerateStep, accelerate_precision, check_world, make_gather_eval, run_precision
+from common.accel import (
+    AccelerateStep,
+    accelerate_precision,
+    check_world,
+    make_gather_eval,
+    process_group_kwargs,
+    run_precision,
+)
 
 
 def main(cfg):
     init_distributed(cfg)  # the group first, with its per-attempt store (restarts); accelerate joins it
-    accelerator = Accelerator(cpu=pick_device(cfg).type == "cpu", mixed_precision=accelerate_precision(cfg))
+    accelerator = Accelerator(cpu=pick_device(cfg).type == "cpu", mixed_precision=accelerate_precision(cfg),
+                              kwargs_handlers=process_group_kwargs(cfg))
     rank, world_size = check_world(accelerator, cfg)
     if world_size > 1 and accelerator.distributed_type not in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
         raise RuntimeError(f"accelerate chose {accelerator.distributed_type}, not DDP")

@@ -38,7 +38,7 @@ from common import (  # noqa: E402
     save_final,
     steps_per_epoch,
 )
-from common.accel import AccelerateStep, check_world, make_gather_eval  # noqa: E402
+from common.accel import AccelerateStep, check_world, make_gather_eval, process_group_kwargs  # noqa: E402
 from common.deepspeed_config import resolve_ds_config  # noqa: E402
 
 
@@ -57,7 +57,8 @@ def main(cfg):
     ds_config, precision = resolve_ds_config(cfg, path, world_size, per_rank_batch(cfg, world_size))
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
     # never cpu=True: accelerate then drops the plugin and silently runs plain DDP
-    accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision=precision if precision != "fp32" else "no")
+    accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision=precision if precision != "fp32" else "no",
+                              kwargs_handlers=process_group_kwargs(cfg))
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         raise RuntimeError(f"accelerate chose {accelerator.distributed_type}, not DeepSpeed")
     rank, world_size = check_world(accelerator, cfg)

@@ -39,6 +39,7 @@ from common.accel import (
     check_world,
     fsdp_plugin,
     make_gather_eval,
+    process_group_kwargs,
     require_cuda,
     run_precision,
 )
@@ -51,7 +52,8 @@ def main(cfg):
     init_distributed(cfg)  # the group first, with its per-attempt store (restarts); accelerate joins it
     configure_backends(cfg, device)
     model = build_model(cfg)  # before the plugin: the wrap classes come from the model
-    accelerator = Accelerator(mixed_precision=accelerate_precision(cfg), fsdp_plugin=fsdp_plugin(model))
+    accelerator = Accelerator(mixed_precision=accelerate_precision(cfg), fsdp_plugin=fsdp_plugin(model),
+                              kwargs_handlers=process_group_kwargs(cfg))
     if accelerator.distributed_type != DistributedType.FSDP:  # never train unsharded under an FSDP label
         raise RuntimeError(f"accelerate chose {accelerator.distributed_type}, not FSDP")
     rank, world_size = check_world(accelerator, cfg)
@@ -59,7 +61,7 @@ def main(cfg):
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)  # sharded by torch.distributed
 
     model = model.to(device)
-    optimizer = build_optimizer(cfg, model.parameters())
+    optimizer = build_optimizer(cfg, model.parameters(), fused=False)  # prepare() makes them DTensors: no fused SGD
     # not prepared: accelerate would step it num_processes times per optimizer step
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
     # FSDP2 needs both at once: prepare() shards the model, then points the optimizer at the shards

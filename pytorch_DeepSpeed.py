@@ -45,7 +45,7 @@ from common import (  # noqa: E402
     save_final,
     steps_per_epoch,
 )
-from common.deepspeed_config import resolve_ds_config  # noqa: E402
+from common.deepspeed_config import join_deepspeed, resolve_ds_config  # noqa: E402
 
 
 @dataclass
@@ -59,6 +59,7 @@ class DeepSpeedConfig(DistributedConfig):
 
 def main(cfg):
     info = init_distributed(cfg, standalone_group=True)
+    join_deepspeed(cfg)  # DeepSpeed's comm layer over this group, with --dist-timeout-s
     rank, world_size, device = info.rank, info.world_size, info.device
     configure_backends(cfg, device)
     if cfg.offload and device.type != "cuda":

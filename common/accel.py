@@ -79,6 +79,19 @@ def make_gather_eval(accelerator, world: int):
     return evaluate
 
 
+def process_group_kwargs(cfg: TrainConfig) -> list:
+    """Accelerator(kwargs_handlers=...): --dist-timeout-s for a group accelerate forms itself (its own
+    default is 10 minutes on NCCL, accelerate/utils/dataclasses.py InitProcessGroupKwargs), and for
+    DeepSpeed's, which accelerate starts with the same kwargs (accelerate/state.py:
+    dist.init_distributed(dist_backend=..., auto_mpi_discovery=False, **kwargs)). The scripts form the
+    group first (init_distributed, with the same timeout); then both libraries join it as it is."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from .distributed import dist_timeout
+
+    return [InitProcessGroupKwargs(timeout=dist_timeout(cfg))]
+
+
 def require_cuda(device: torch.device, what: str) -> None:
     if device.type != "cuda":
         raise UsageError(f"{what} needs CUDA devices (on CPU accelerate drops the plugin and every rank "

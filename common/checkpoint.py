@@ -20,7 +20,49 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig, UsageError
-from .distributed import barrier, global_rank
+from .distributed import all_gather_object, barrier, global_rank, grouped
+
+
+def check_shared_dir(folder: str, environ=os.environ) -> None:
+    """Refuses, on every rank and before training, a --save-dir that not every rank sees as one folder.
+    Rank 0 creates each epoch's folder and every rank writes into it (Checkpointer.save), and DeepSpeed's
+    consolidation on rank 0 reads every rank's shards: on a node-local path (/tmp, /local/scratch) the
+    second node's ranks would fail at the first epoch's end, after an epoch of training. Rank 0 writes a
+    token there; each rank reads it after a collective; all learn who could not. Skipped on one node
+    (the launcher's local world is the whole world: one filesystem)."""
+    local = environ.get("LOCAL_WORLD_SIZE", environ.get("LOCAL_SIZE"))  # torchrun's, the deepspeed launcher's
+    if not grouped() or dist.get_world_size() == 1 or (local is not None and int(local) == dist.get_world_size()):
+        return
+    import secrets
+    import socket
+
+    token, problem = secrets.token_hex(8), ""
+    path = os.path.join(folder, f".shared-check-{token}")
+    if global_rank() == 0:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(path, "w") as fh:
+                fh.write(token)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            problem = f"--save-dir {folder} cannot be written on rank 0 ({exc.strerror})"
+    token, problem = all_gather_object((token, problem))[0]  # rank 0's, after its write: a collective
+    path = os.path.join(folder, f".shared-check-{token}")
+    try:
+        with open(path) as fh:
+            seen = fh.read() == token
+    except OSError:
+        seen = False
+    verdicts = all_gather_object((seen, socket.gethostname()))
+    if global_rank() == 0 and not problem:
+        os.remove(path)
+    blind = [(rank, host) for rank, (ok, host) in enumerate(verdicts) if not ok]
+    if problem or blind:
+        raise UsageError(problem or f"--save-dir {folder} is not one folder for every rank: rank"
+                         f"{'s' if len(blind) > 1 else ''} {', '.join(f'{r} ({h})' for r, h in blind)} cannot see "
+                         f"what rank 0 ({verdicts[0][1]}) writes there; give a directory on a filesystem every "
+                         f"node shares, not a node-local one")
 
 
 def rng_state(loader) -> dict:
@@ -40,6 +82,18 @@ def set_rng_state(state: dict, loader) -> None:
     gen = getattr(loader, "generator", None)
     if state["loader"] is not None and isinstance(gen, torch.Generator):
         gen.set_state(state["loader"])
+
+
+def load_optimizer(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict, keeping this run's kernels. A saved param_group carries its "fused" and
+    "foreach" flags, and load_state_dict puts them back (torch/optim/optimizer.py update_group): a state
+    written by a foreach optimizer would turn a fused one foreach while GradScaler, seeing
+    _step_supports_amp_scaling, still hands it grad_scale, and SGD's foreach path raises "Expected
+    grad_scale and found_inf to be None" (torch/optim/sgd.py)."""
+    kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, kept in zip(optimizer.param_groups, kernels):
+        group.update(kept)
 
 
 def _load(path: str):
@@ -72,7 +126,7 @@ class Checkpointer:
     def load_native(self, folder: str) -> None:
         state = _load(os.path.join(folder, "native.pt"))
         getattr(self.model, "module", self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer(self.optimizer, state["optimizer"])
 
     # --- shared ---
     def describe(self) -> str:
@@ -163,7 +217,7 @@ class RankCheckpointer(Checkpointer):
     def load_native(self, folder: str) -> None:
         state = _load(os.path.join(folder, f"native_rank{global_rank()}.pt"))
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer(self.optimizer, state["optimizer"])
 
 
 class DCPCheckpointer(Checkpointer):

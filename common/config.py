@@ -127,6 +127,9 @@ class DistributedConfig(TrainConfig):
     """processes"""
     backend: str = opt("auto", "torch.distributed backend; auto = nccl on cuda, gloo on cpu",
                        choices=("auto", "nccl", "gloo"))
+    dist_timeout_s: int = opt(1800, "seconds a rank may wait in one collective before the run fails (NCCL's "
+                              "watchdog, gloo's timeout): it must cover what rank 0 does alone while the others "
+                              "wait (the data set download, DeepSpeed's consolidation of the final weights)", min=1)
 
 
 def _type_name(tp) -> str:

@@ -89,7 +89,9 @@ def load_arrays(cfg, train: bool) -> tuple[np.ndarray, np.ndarray]:
     limit = cfg.train_samples if train else cfg.test_samples
     if cfg.dataset == "synthetic":
         return make_synthetic(limit or CIFAR_SIZES[train], cfg.seed, train)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    from .distributed import local_rank as node_index
+
+    local_rank = node_index()  # the launcher's index on this node (LOCAL_RANK can be the device's: distributed.py)
     if dist.is_initialized() and local_rank != 0:
         dist.barrier()  # local rank 0 downloads first
     try:
@@ -218,9 +220,41 @@ class GpuLoader:
                 yield self._transform(self.images[sel], None), self.labels[sel], ok
 
 
+def node_cpus(environ=os.environ) -> tuple[int, int]:
+    """(CPUs this process may run on, processes its launcher started on this node): torchrun's
+    LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE, else 1. The node's ranks inherit one affinity
+    (a Slurm step's CPUs, a container's cpuset), so each rank's share is the first over the second."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS, Windows
+        cpus = os.cpu_count() or 1
+    return cpus, max(1, int(environ.get("LOCAL_WORLD_SIZE", environ.get("LOCAL_SIZE", "1")) or 1))
+
+
+_SIZED: list[str] = []  # the line size_workers printed (once per process)
+
+
+def size_workers(cfg: TrainConfig, environ=os.environ) -> int:
+    """--workers, capped at this rank's share of the node's CPUs (at least 1 where any was asked), and
+    stored back in cfg.workers, so that the row's `workers` says what ran. 8 ranks of 4 workers each on
+    a 16-core node would be 40 processes resizing images on 16 cores: the loader then bounds the step,
+    and the only sign was the warning after the run. Rank 0 says once what it found."""
+    cpus, local = node_cpus(environ)
+    asked, share = cfg.workers, max(1, cpus // local)
+    cfg.workers = min(asked, share)
+    if not _SIZED and int(environ.get("RANK", "0")) == 0:
+        capped = f" (--workers {asked} capped at the rank's share)" if cfg.workers < asked else ""
+        _SIZED.append(f"rank 0: {cpus} CPUs for {local} processes on its node; {cfg.workers} DataLoader "
+                      f"workers per rank{capped}")
+        print(_SIZED[0], flush=True)
+    return cfg.workers
+
+
 def build_loaders(cfg: TrainConfig, rank: int, world_size: int, device: torch.device):
     """Returns (train_loader, test_loader). Train batches are per-rank micro-batches; the test loader
     yields (images, labels, valid) with every test sample valid on exactly one rank."""
+    if cfg.loader == "torch":
+        size_workers(cfg)
     batch = per_rank_batch(cfg, world_size)
     images, labels = load_arrays(cfg, True)
     if len(labels) < batch * world_size * cfg.grad_accum:

@@ -99,3 +99,16 @@ def resolve_ds_config(cfg: TrainConfig, path: str, world_size: int, micro_batch:
         if zero["stage"] == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return ds, precision
+
+
+def join_deepspeed(cfg: TrainConfig) -> None:
+    """DeepSpeed's communication layer over the process group init_distributed formed. deepspeed.initialize
+    would call init_distributed with DeepSpeed's own 10 minutes (deepspeed/constants.py default_pg_timeout,
+    or DEEPSPEED_TIMEOUT); it adopts a group torch already has (deepspeed/comm/comm.py init_distributed:
+    "The user initialized torch.dist themselves, create cdb and short-circuit"), whose timeout is
+    --dist-timeout-s. Joining here, with that timeout, keeps the two the same whichever forms the group."""
+    import deepspeed
+
+    from .distributed import dist_timeout
+
+    deepspeed.init_distributed(timeout=dist_timeout(cfg), verbose=False)

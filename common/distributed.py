@@ -6,6 +6,7 @@ local rank as the global one (as the articles' repository did) makes two process
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import math
 import os
@@ -28,19 +29,58 @@ class DistInfo:
 def pick_device(cfg, local_rank: int = 0) -> torch.device:
     """cuda:LOCAL_RANK, or cuda:0 when the process sees exactly one GPU: schedulers that give each
     process its own GPU (Slurm --gpus-per-task=1, a CUDA_VISIBLE_DEVICES per rank) leave LOCAL_RANK
-    at 0..n-1 while every process sees its GPU as device 0. (Two processes on one GPU are refused
-    by NCCL itself: "Duplicate GPU detected".)"""
+    at 0..n-1 while every process sees its GPU as device 0. A launcher that starts the node's
+    processes itself (torchrun's LOCAL_WORLD_SIZE, DeepSpeed's LOCAL_SIZE) gives them all the same
+    GPUs: more of them than GPUs would put two ranks on one, which NCCL refuses only later, with
+    "Duplicate GPU detected" and no word of why; that is refused here, before any group forms."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
     if cfg.device == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     visible = torch.cuda.device_count()
+    node = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE"))
+    if node is not None and int(node) > visible:
+        raise UsageError(f"{node} processes on this node (the launcher's LOCAL_WORLD_SIZE) but {visible} GPU"
+                         f"{'s are' if visible > 1 else ' is'} visible: start at most {visible} per node "
+                         f"(torchrun --nproc-per-node, GPUS_PER_NODE), one per GPU")
     if local_rank < visible:
         return torch.device("cuda", local_rank)
     if visible == 1:
         return torch.device("cuda", 0)
     raise UsageError(f"LOCAL_RANK {local_rank} but only {visible} GPUs are visible; "
                      f"start at most that many processes per node")
+
+
+# the launcher's LOCAL_RANK, kept where device_for_rank changed LOCAL_RANK to the device's index
+NODE_LOCAL_RANK = "BENCH_NODE_LOCAL_RANK"
+
+
+def device_for_rank(cfg) -> torch.device:
+    """pick_device for this process, with LOCAL_RANK made the index of the device picked. The libraries
+    read LOCAL_RANK as a device index: DeepSpeed's engine calls set_device(LOCAL_RANK)
+    (deepspeed/runtime/engine.py _set_distributed_vars), accelerate barriers with
+    device_ids=[LOCAL_RANK] (accelerate/state.py wait_for_everyone). A process that sees one GPU as
+    cuda:0 with LOCAL_RANK 3 would fail there with "invalid device ordinal". The launcher's value,
+    the process's index on its node, stays in BENCH_NODE_LOCAL_RANK for local_rank(): which rank of a
+    node downloads the data and reads the host's counters."""
+    node_rank = local_rank()
+    device = pick_device(cfg, node_rank)
+    if device.type == "cuda" and device.index != node_rank:
+        os.environ[NODE_LOCAL_RANK] = str(node_rank)
+        os.environ["LOCAL_RANK"] = str(device.index)
+    return device
+
+
+DEFAULT_DIST_TIMEOUT_S = 1800  # --dist-timeout-s's default (common/config.py), for configs without the field
+
+
+def dist_timeout(cfg) -> datetime.timedelta:
+    """How long a rank waits in one collective (--dist-timeout-s) before the group fails it. torch's
+    defaults are 10 minutes for NCCL and 30 for gloo (torch/distributed/constants.py), DeepSpeed's 10
+    (deepspeed/constants.py default_pg_timeout): while rank 0 alone downloads CIFAR10 or consolidates
+    a ZeRO-3 checkpoint of a large model on a slow shared filesystem, the other ranks wait in a barrier
+    and NCCL's watchdog would abort the job after its training."""
+    return datetime.timedelta(seconds=getattr(cfg, "dist_timeout_s", DEFAULT_DIST_TIMEOUT_S))
 
 
 def free_port() -> int:
@@ -53,7 +93,8 @@ def free_port() -> int:
 
 
 def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    """This process's index on its node, as its launcher numbered it (see device_for_rank)."""
+    return int(os.environ.get(NODE_LOCAL_RANK, os.environ.get("LOCAL_RANK", "0")))
 
 
 def launched_world_size() -> int:
@@ -84,14 +125,16 @@ def init_distributed(cfg: TrainConfig, standalone_group: bool = False) -> DistIn
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = pick_device(cfg, local_rank())
+    device = device_for_rank(cfg)
     backend = backend_for(cfg, device)
     if "gloo" in backend:
         gloo_on_loopback_when_one_node()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world_size, store=attempt_store(rank, world_size),
+        timeout = dist_timeout(cfg)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                store=attempt_store(rank, world_size, timeout),
                                 device_id=device if device.type == "cuda" else None)
     return DistInfo(rank, local_rank(), world_size, device)
 
@@ -116,7 +159,7 @@ def gloo_on_loopback_when_one_node(environ=os.environ) -> bool:
     return bool(loopback)
 
 
-def attempt_store(rank: int, world_size: int):
+def attempt_store(rank: int, world_size: int, timeout=dist.default_pg_timeout):
     """The env:// store, under a prefix per torchrun attempt; None outside torchrun.
 
     torchrun's workers all connect to one TCPStore that outlives its restarts: the agent's own
@@ -129,7 +172,7 @@ def attempt_store(rank: int, world_size: int):
     attempt keys of its own."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         return None
-    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=dist.default_pg_timeout))
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
     return dist.PrefixStore(f"attempt{restarts()}", store)
 
 

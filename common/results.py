@@ -35,7 +35,7 @@ COLUMNS = CONTRACT + [
     "run_name", "device_name", "num_devices", "train_accuracy", "timed_steps", "compile_time_s",
     "skipped_steps", "resumed", "restarts", "repeat", "scaling", "tf32", "channels_last", "grad_checkpointing",
     "compile", "loader", "grad_accum", "microbatches", "tp_size", "optimizer", "lr", "seed", "pretrained",
-    "cpu_threads", "workers",
+    "cpu_threads", "workers", "dist_timeout_s",
     # the input pipeline, the step-time distribution, compute efficiency, energy, time to accuracy
     "loader_img_s", "step_ms_p50", "step_ms_p90", "train_gflop_per_img", "achieved_tflops", "peak_tflops", "mfu",
     "energy_j", "img_per_j", "target_accuracy", "time_to_target_s",
@@ -61,7 +61,7 @@ _PRED_PARTS = [f"pred_{c}_gib" for c in ("params", "grads", "optimizer", "master
 # the step model's prediction by component, beside the measured step_*_ms (they add up to pred_step_ms)
 PRED_TIME_PARTS = ["pred_data_ms", "pred_compute_ms", "pred_comm_exposed_ms", "pred_optimizer_ms"]
 HOST = ["host_other_pct", "host_steal_pct", "cpu_wait_pct"]
-_LATER = ("workers", *PRED_TIME_PARTS, *HOST)  # columns added after every header below: left out of each
+_LATER = ("workers", *PRED_TIME_PARTS, *HOST, "dist_timeout_s")  # added after every header below: left out of each
 _TIME = ["step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms",
          "step_other_ms", "pred_step_ms", "pred_img_s", "pred_time_error_pct"]
 
@@ -75,8 +75,9 @@ HISTORY.append(_before("tp_size", *_PRED_PARTS))  # a development header, notes 
 HISTORY.append(_before("tp_size", *_TIME))  # 0.4.0: before the time columns
 HISTORY.append(_before("tp_size"))  # 0.5.0: before tensor parallelism
 HISTORY.append(_before())  # 0.6.0: before `workers` (the loader processes a rank had)
-HISTORY.append([c for c in COLUMNS if c not in PRED_TIME_PARTS + HOST])  # development: workers, no predicted parts
-HISTORY.append([c for c in COLUMNS if c not in HOST])  # 5b7bdec: before the host's share of the window
+HISTORY.append([c for c in COLUMNS if c not in PRED_TIME_PARTS + HOST + ["dist_timeout_s"]])  # development: workers
+HISTORY.append([c for c in COLUMNS if c not in HOST + ["dist_timeout_s"]])  # 5b7bdec: before the host's share
+HISTORY.append([c for c in COLUMNS if c != "dist_timeout_s"])  # before --dist-timeout-s
 
 
 def _lock(path: str) -> FileLock:

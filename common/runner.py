@@ -64,7 +64,7 @@ def base_row(cfg: TrainConfig, script: str, strategy: str, libraries: tuple[str,
         "lr": cfg.lr, "seed": cfg.seed, "pretrained": cfg.pretrained, "resumed": False,
         "restarts": restarts(), "repeat": cfg.repeat or None, "scaling": cfg.scaling or None,
         "target_accuracy": cfg.target_accuracy or None, "cpu_threads": torch.get_num_threads(),
-        "workers": cfg.workers,
+        "workers": cfg.workers, "dist_timeout_s": getattr(cfg, "dist_timeout_s", None),  # the distributed scripts'
         **fingerprint(device, libraries),
     }
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .checkpoint import check_shared_dir
 from .config import TrainConfig
 from .distributed import (
     Lockstep,
@@ -436,6 +437,8 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: Tr
     """Trains cfg.epochs epochs, then evaluates once. With a checkpointer, training state is saved
     after every epoch (outside the timed window) and, with --resume, restored before the first one."""
     spe, device, m = steps_per_epoch(cfg, train_loader), hooks.device, Metrics()
+    if checkpointer is not None:
+        check_shared_dir(cfg.save_dir)  # every rank writes and reads there: refused before training if not shared
     saved = resume(cfg, checkpointer, m)
     loader_img_s = probe_loader(train_loader, cfg, hooks)
     net = model
@@ -462,7 +465,8 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: Tr
         epoch_end(cfg, model, test_loader, hooks, window, m, stats, epoch, checkpointer)
     m.timed_steps, timed_s = window.timed()
     m.throughput_img_s = m.timed_steps * cfg.batch_size / timed_s if timed_s else 0.0
-    m.extra = {**window.close(), **loader_row(loader_img_s, m.throughput_img_s)}
+    closed, loader = window.close(), loader_row(loader_img_s, m.throughput_img_s)
+    m.extra = {**closed, **loader, "notes": "; ".join(n for n in (closed.get("notes"), loader["notes"]) if n) or None}
     if saved and saved["epoch"] == cfg.epochs:  # resumed after the last epoch: nothing left to train
         m.train_loss, m.train_accuracy = saved["train_loss"], saved["train_accuracy"]
     if math.isnan(m.test_accuracy):  # not already evaluated after the last epoch
@@ -504,12 +508,16 @@ def epoch_end(cfg: TrainConfig, model, test_loader, hooks: TrainHooks, window: T
 
 
 def loader_row(loader_img_s: float | None, throughput: float) -> dict:
-    """loader_img_s, and a warning when the input pipeline is not clearly faster than training."""
-    if loader_img_s is not None and throughput and loader_img_s < 1.2 * throughput and global_rank() == 0:
+    """loader_img_s, and where the input pipeline is not clearly faster than training a warning and a note
+    in the row: a sweep's rows then say which ran loader-bound, not only its log."""
+    bound = loader_img_s is not None and throughput and loader_img_s < 1.2 * throughput
+    if bound and global_rank() == 0:
         print(f"warning: the input pipeline delivers {loader_img_s:.0f} img/s and training ran at "
               f"{throughput:.0f} img/s: the loader may be the bottleneck (raise --workers, or --loader gpu)",
               file=sys.stderr, flush=True)
-    return {"loader_img_s": None if loader_img_s is None else round(loader_img_s, 1)}
+    return {"loader_img_s": None if loader_img_s is None else round(loader_img_s, 1),
+            "notes": f"the loader may bound the step: it delivered {loader_img_s:.0f} img/s alone, training ran at "
+                     f"{throughput:.0f}" if bound else None}
 
 
 def run_eval(model, test_loader, hooks: TrainHooks, channels_last: bool) -> tuple[float, int]:

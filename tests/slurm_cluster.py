@@ -69,6 +69,12 @@ class Cluster:
                   f"--log-file={r}/log/munged.log", f"--seed-file={r}/munge/seed")
         ctld, n1, n2 = _free_ports(3)
         host = socket.gethostname().split(".")[0]
+        # task/affinity with TaskPluginParam=Cores binds each task to the CPUs its step gave it, as sites that
+        # bind tasks to cores do: a step that gets fewer CPUs than its job asked then shows (srun no longer
+        # inherits --cpus-per-task since 22.05: one CPU per task). Slurm's default auto-binding leaves a task
+        # that is alone on its node the step's whole share of the node, and would hide it. Both nodes claim
+        # the host's first two CPUs (at most what it has: more would drain them)
+        cpus = min(2, len(os.sched_getaffinity(0)))
         # MinJobAge=4: `sbatch --wait` sleeps 2 s, then x4 while the sleep is under MinJobAge/2 and 32 s
         # (sbatch.c _job_wait), so Slurm's default (300) polls at 2, 10, 42 s and a 12 s job holds the test
         # 42 s; at 4 it polls every 2 s, and a finished job's record (what scontrol reads next) stays >= 4 s
@@ -88,15 +94,16 @@ SlurmdPidFile={r}/slurmd-%n.pid
 SlurmctldLogFile={r}/log/ctld.log
 SlurmdLogFile={r}/log/d-%n.log
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
+TaskPluginParam=Cores
 SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
 MpiDefault=none
 MinJobAge=4
-NodeName=n1 NodeHostname={host} NodeAddr=127.0.0.1 Port={n1} CPUs=1 RealMemory=10000 State=UNKNOWN
-NodeName=n2 NodeHostname={host} NodeAddr=127.0.0.1 Port={n2} CPUs=1 RealMemory=10000 State=UNKNOWN
+NodeName=n1 NodeHostname={host} NodeAddr=127.0.0.1 Port={n1} CPUs={cpus} RealMemory=10000 State=UNKNOWN
+NodeName=n2 NodeHostname={host} NodeAddr=127.0.0.1 Port={n2} CPUs={cpus} RealMemory=10000 State=UNKNOWN
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 """)
         self.pidfiles.append(os.path.join(r, "slurmctld.pid"))

@@ -1,12 +1,13 @@
 """CUDA-only decisions checked on CPU against fakes of what torch.cuda and NVML return: the device
 a rank picks, the process-group backend, the NVML handle and memory query, the fingerprint."""
+import os
 import types
 
 import pytest
 import torch
 
 from common.config import TrainConfig, UsageError
-from common.distributed import backend_for, pick_device
+from common.distributed import NODE_LOCAL_RANK, backend_for, device_for_rank, local_rank, pick_device
 from common.measure import fingerprint as fp
 from common.measure import probes
 
@@ -27,6 +28,37 @@ def test_local_rank_beyond_several_visible_gpus_is_refused(monkeypatch):
     assert pick_device(TrainConfig(), 1) == torch.device("cuda", 1)
     with pytest.raises(UsageError, match="LOCAL_RANK 3 but only 2 GPUs"):
         pick_device(TrainConfig(), 3)
+
+
+@pytest.mark.parametrize("var, count, visible", [("LOCAL_WORLD_SIZE", 4, 2), ("LOCAL_WORLD_SIZE", 2, 1),
+                                                  ("LOCAL_SIZE", 8, 4)])
+def test_more_local_ranks_than_visible_gpus_is_refused_before_nccl(monkeypatch, var, count, visible):
+    """torchrun --nproc-per-node 4 on 2 GPUs (LOCAL_WORLD_SIZE; the deepspeed launcher's LOCAL_SIZE): every
+    rank sees the same GPUs, so two would share one and NCCL would fail later with "Duplicate GPU
+    detected". Refused in one line by the rank whose LOCAL_RANK still fits, before any group forms."""
+    fake_cuda(monkeypatch, visible)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv(var, str(count))
+    with pytest.raises(UsageError, match=f"{count} processes on this node .* but {visible} GPU"):
+        pick_device(TrainConfig(), 0)
+
+
+def test_local_rank_is_made_the_index_of_the_device_picked(monkeypatch):
+    """A process that sees one GPU (its own CUDA_VISIBLE_DEVICES) as cuda:0 with LOCAL_RANK 3: DeepSpeed's
+    engine would set_device(3) and accelerate barrier on device 3 ("invalid device ordinal"). LOCAL_RANK
+    becomes 0; local_rank() still says 3 (the launcher's index: which rank of the node downloads)."""
+    fake_cuda(monkeypatch, 1)
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(NODE_LOCAL_RANK, "0")  # so that the one device_for_rank sets is undone after the test
+    monkeypatch.delenv(NODE_LOCAL_RANK)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert device_for_rank(TrainConfig()) == torch.device("cuda", 0)
+    assert os.environ["LOCAL_RANK"] == "0" and local_rank() == 3
+    fake_cuda(monkeypatch, 4)  # four visible GPUs: LOCAL_RANK 2 is cuda:2 already, nothing to change
+    monkeypatch.setenv(NODE_LOCAL_RANK, "2")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert device_for_rank(TrainConfig()) == torch.device("cuda", 2) and os.environ["LOCAL_RANK"] == "2"
 
 
 def test_cpu_offload_gets_a_cpu_backend_beside_nccl():

@@ -31,11 +31,11 @@ def slurm_env(c: Cluster) -> dict:
                       "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
 
 
-def benchmark(c: Cluster, tmp_path, *args: str) -> subprocess.CompletedProcess:
+def benchmark(c: Cluster, tmp_path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """benchmark.py with every output under tmp_path (the repository's results/ and checkpoints/ untouched)."""
     out = ["--results", str(tmp_path / "summary.csv"), "--report", str(tmp_path / "REPORT.md"),
            "--log-dir", str(tmp_path / "logs"), "--save-dir", str(tmp_path / "ckpt")]
-    return subprocess.run([sys.executable, "benchmark.py", *args, *out], cwd=ROOT, env=slurm_env(c),
+    return subprocess.run([sys.executable, "benchmark.py", *args, *out], cwd=ROOT, env=env or slurm_env(c),
                           capture_output=True, text=True, timeout=600)
 
 
@@ -48,14 +48,19 @@ def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
     slurm/torchrun.sbatch pytorch_DDP.py` does (whose own #SBATCH lines sbatch --test-only checks here,
     without a second training job). The deepspeed launcher's runs take the same template
     (common/bench/slurm.py; their job files: test_dry_run_writes_job_files_that_bash_accepts), and
-    DeepSpeed on 2 nodes trains in the accelerate template's test below."""
+    DeepSpeed on 2 nodes trains in the accelerate template's test below.
+    The job asks 2 CPUs per task of a cluster that binds steps to their CPUs (task/affinity): each node's
+    step must get both (a plain srun gets one since Slurm 22.05), and torch's threads follow the step's
+    CPUs (OMP_NUM_THREADS left unset), so the row's cpu_threads says so too."""
     results, matrix = tmp_path / "summary.csv", tmp_path / "m.yaml"
+    cpus = min(2, len(os.sched_getaffinity(0)))  # the test cluster's CPUs per node (tests/slurm_cluster.py)
     args = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in TINY.items()
                      if k != "device")
     matrix.write_text(f"presets:\n  smoke:\n    timeout_s: 300\n    args: {{{args}}}\n    scripts: all\n"
                       "    runs: [{name: crash, script: pytorch_DDP.py, args: {model: no_such_model}}]\n")
-    proc = benchmark(cluster, tmp_path, "--preset", "smoke", "--matrix", str(matrix), "--only",
-                     "pytorch_DDP.py", "--launcher", "slurm", "--nodes", "2")
+    env = {k: v for k, v in slurm_env(cluster).items() if k != "OMP_NUM_THREADS"}
+    proc = benchmark(cluster, tmp_path, "--preset", "smoke", "--matrix", str(matrix), "--only", "pytorch_DDP.py",
+                     "--launcher", "slurm", "--nodes", "2", f"--sbatch-arg=--cpus-per-task={cpus}", env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = {r["run_name"]: r for r in rows(results)}
     assert sorted(got) == ["smoke/crash", "smoke/pytorch_DDP"], rows(results)
@@ -67,6 +72,9 @@ def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
     assert ddp["restarts"] == "0" and int(ddp["test_samples"]) == 37  # odd over 2 ranks: every sample once
     (log,) = (tmp_path / "slurm" / "logs").glob("smoke__pytorch_DDP-*.log")
     assert "2 nodes x 1 processes" in log.read_text()
+    # the step's os.sched_getaffinity(0), as rank 0 found it (common/data.py size_workers), and torch's threads
+    assert f"rank 0: {cpus} CPUs for 1 processes on its node" in log.read_text(), log.read_text()[-3000:]
+    assert ddp["cpu_threads"] == str(cpus), ddp
     for template in ("slurm/torchrun.sbatch", "slurm/accelerate.sbatch"):
         check = subprocess.run(["sbatch", "--test-only", template], cwd=ROOT, env=slurm_env(cluster),
                                capture_output=True, text=True, timeout=60)
@@ -82,8 +90,12 @@ def test_accelerate_deepspeed_through_the_accelerate_template_on_two_nodes(clust
     """accelerate's multi-node DeepSpeed default, pdsh, would run `deepspeed --hostfile` on each node;
     config/default_DeepSpeed.yml asks for the standard launcher: one torchrun per node, one world."""
     log = tmp_path / "job.log"
-    proc = subprocess.run(["sbatch", "--wait", "--nodes=2", f"--output={log}", "slurm/accelerate.sbatch",
-                           "config/default_DeepSpeed.yml", "accelerate_DeepSpeed.py", *tiny_args(tmp_path)], cwd=ROOT,
+    # 2 CPUs per task: the steps are bound (tests/slurm_cluster.py), and with one each both nodes' ranks,
+    # on this one host, would share its first core
+    cpus = min(2, len(os.sched_getaffinity(0)))
+    proc = subprocess.run(["sbatch", "--wait", "--nodes=2", f"--cpus-per-task={cpus}", f"--output={log}",
+                           "slurm/accelerate.sbatch", "config/default_DeepSpeed.yml", "accelerate_DeepSpeed.py",
+                           *tiny_args(tmp_path)], cwd=ROOT,
                           env={**slurm_env(cluster), "RDZV_PORT": str(free_port()), "GPUS_PER_NODE": "1"},
                           capture_output=True, text=True, timeout=300)
     text = log.read_text() if log.exists() else ""

@@ -99,7 +99,10 @@ def sbatch_text(run: dict, opts, results: str, log_dir: str) -> str:
         + ["set -euo pipefail", f"cd {shlex.quote(PROJECT_ROOT)}",
            f"export PYTHON={shlex.quote(sys.executable)} PATH={shlex.quote(os.path.dirname(sys.executable))}:$PATH",
            f"export GPUS_PER_NODE={per_node} RDZV_PORT={free_port()}",
-           f"export SAVE_DIR={shlex.quote(save_root)}", launch, ""])
+           f"export SAVE_DIR={shlex.quote(save_root)}",
+           # a step does not inherit the job's --cpus-per-task since Slurm 22.05 (slurm/torchrun.sbatch)
+           'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi',
+           launch, ""])
 
 
 def submit(path: str) -> tuple[str, int, str]:

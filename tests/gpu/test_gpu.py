@@ -325,3 +325,58 @@ def test_calibrated_step_model_predicts_single_and_ddp(tmp_path):
                                            "pred_optimizer_ms", "step_optimizer_ms", "pred_data_ms", "step_data_ms",
                                            "loader_img_s", "pred_time_error_pct")})
         assert abs(err) <= 15, (script, row["pred_step_ms"], row["step_ms_p50"], row["notes"])
+
+
+# --- the multi-GPU and multi-node paths (issue 58): what a lent multi-GPU machine runs first ---
+
+@two_gpus
+@pytest.mark.parametrize("script, extra", [
+    ("pytorch_FSDP.py", {}), ("pytorch_DDP_ZeRO.py", {}), ("pytorch_TP.py", {}), ("pytorch_DeepSpeed.py", {}),
+    ("pytorch_DeepSpeed.py", {"deepspeed_config": "config/zero_stage3_config.json"})])
+def test_sharded_strategies_at_two_ranks(tmp_path, script, extra):
+    """Each sharded strategy at 2 ranks on NCCL (DeepSpeed through torchrun, as under Slurm): an ok row that
+    counted its collectives, and the collective timeout the group was given (--dist-timeout-s)."""
+    check_ok(run(script, gpu_args(tmp_path, world=2, model="resnet18", **extra), nproc=2, launcher="torchrun"))
+    (row,) = rows(tmp_path / "summary.csv")
+    assert row["status"] == "ok" and row["device"] == "cuda" and row["world_size"] == "2", row
+    assert row["dist_timeout_s"] == "1800"
+    assert as_float(row, "comm_bytes_per_step") > 0
+
+
+def test_more_processes_than_gpus_is_refused_in_one_line(tmp_path):
+    """torchrun --nproc-per-node GPUs+1: two ranks would share a GPU and NCCL fail with "Duplicate GPU
+    detected"; every rank refuses first (common/distributed.py pick_device), in one line (exit 2, which
+    torchrun reports as its own failure)."""
+    proc = run("pytorch_DDP.py", gpu_args(tmp_path, world=GPUS + 1, model="resnet18"), nproc=GPUS + 1,
+               launcher="torchrun")
+    assert proc.returncode != 0 and "Duplicate GPU" not in proc.stderr, proc.stderr[-3000:]
+    assert f"pytorch_DDP.py: error: {GPUS + 1} processes on this node" in proc.stderr, proc.stderr[-3000:]
+    assert not rows(tmp_path / "summary.csv")  # bad input: no row
+
+
+@two_gpus
+def test_two_node_rendezvous_over_a_non_loopback_address(tmp_path):
+    """Two torchruns as two nodes of one GPU each, meeting at the address slurm/node_addr.sh picks (never
+    loopback), with the first alone serving the store as the Slurm templates say (is_host): the group forms,
+    trains and writes one row of world 2, in well under the join timeout."""
+    import time
+
+    from common.distributed import free_port
+
+    addr = subprocess.run(["bash", "slurm/node_addr.sh", "2"], cwd=ROOT, capture_output=True, text=True)
+    if addr.returncode:
+        pytest.skip(f"no non-loopback address here: {addr.stderr.strip()}")
+    endpoint = f"{addr.stdout.strip()}:{free_port()}"
+    args = gpu_args(tmp_path, world=2, model="resnet18")
+    start, procs = time.time(), []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-conf=is_host={int(node == 0)}",
+               "--rdzv-id=issue58", "pytorch_DDP.py", *args]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**clean_env(), "CUDA_VISIBLE_DEVICES": str(node)},
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[-2000:] for o in outs]
+    (row,) = rows(tmp_path / "summary.csv")
+    assert row["status"] == "ok" and row["world_size"] == "2", row
+    assert time.time() - start < 300

@@ -1,0 +1,253 @@
+"""The multi-node paths no one-host run exercises, checked on CPU: the collective timeout, the Slurm
+templates' rendezvous address and CPUs per step, the shared --save-dir and the loader's workers per node."""
+import datetime
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import ROOT, spawn_ranks
+
+from common.config import DistributedConfig, TrainConfig
+from common.distributed import free_port, init_distributed
+
+
+def test_dist_timeout_reaches_the_process_group(monkeypatch):
+    """--dist-timeout-s is the group's own timeout (gloo's here, NCCL's watchdog on GPUs), and the timeout of
+    the per-attempt store torchrun's restarts use, not torch's 10-30 minute defaults."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # the attempt_store path, as under torchrun
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)
+    init_distributed(DistributedConfig(device="cpu", dist_timeout_s=1234))
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        assert backend.options._timeout == datetime.timedelta(seconds=1234)
+        store = dist.distributed_c10d._get_default_store()
+        assert store.underlying_store.timeout == datetime.timedelta(seconds=1234)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_deepspeed_and_accelerate_are_given_the_timeout(monkeypatch):
+    """Where DeepSpeed or accelerate form the group themselves they use 10 minutes unless told; the scripts tell
+    them (common/deepspeed_config.py join_deepspeed, common/accel.py process_group_kwargs)."""
+    from common.accel import process_group_kwargs
+    from common.deepspeed_config import join_deepspeed
+
+    (handler,) = process_group_kwargs(DistributedConfig(dist_timeout_s=2400))
+    assert handler.to_kwargs()["timeout"] == datetime.timedelta(seconds=2400)
+    calls = []
+    monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(init_distributed=lambda **kw: calls.append(kw)))
+    join_deepspeed(DistributedConfig(dist_timeout_s=2400))
+    assert calls and calls[0]["timeout"] == datetime.timedelta(seconds=2400)
+    assert DistributedConfig().dist_timeout_s == 1800
+
+
+def test_the_row_shows_the_timeout():
+    from common.runner import base_row
+
+    row = base_row(DistributedConfig(device="cpu", dist_timeout_s=900), "pytorch_DDP.py", "ddp")
+    assert row["dist_timeout_s"] == 900
+    assert base_row(TrainConfig(device="cpu"), "pytorch_SingleGPU.py", "single")["dist_timeout_s"] is None
+
+
+FAKES = {
+    # the first node of a stock Debian host: its name resolves to 127.0.1.1; its interfaces are $FAKE_ADDRS
+    "hostname": 'case "$1" in --ip-address|-i) echo 127.0.1.1 ;; --all-ip-addresses|-I) echo "$FAKE_ADDRS" ;; '
+                '*) echo node1 ;; esac',
+    "scontrol": 'echo n1; echo n2',
+    # srun: a step of one task runs its command once; the job's step runs it on each node of $FAKE_NODEIDS
+    "srun": 'one=0; while [ "${1#-}" != "$1" ]; do [ "$1" = --ntasks=1 ] && one=1; shift; done\n'
+            'if [ $one = 1 ]; then exec "$@"; fi\n'
+            'for n in $FAKE_NODEIDS; do echo "step cpus ${SRUN_CPUS_PER_TASK:-unset}"\n'
+            '    SLURM_NODEID=$n "$@" || exit; done',
+    "launcher": 'echo "node $SLURM_NODEID: $*"',
+}
+
+
+def run_template(tmp_path, template: str, *args: str, nodes: str = "0 1", **env) -> subprocess.CompletedProcess:
+    """slurm/<template> as a 2-node job of 3 CPUs per task would run it, with srun, scontrol and hostname faked
+    (tests/slurm_cluster.py runs the real ones, where every node is this host on 127.0.0.1)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in {**FAKES, "accelerate": FAKES["launcher"]}.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    job = {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "3",
+           "PYTHON": str(bin_dir / "launcher"), "FAKE_NODEIDS": nodes, "FAKE_ADDRS": "", "RDZV_PORT": "29555"}
+    base = {k: v for k, v in os.environ.items() if k not in ("RDZV_ADDR", "SRUN_CPUS_PER_TASK")}
+    return subprocess.run(["bash", f"slurm/{template}", *args], cwd=ROOT, capture_output=True, text=True, timeout=30,
+                          env={**base, **job, "PATH": f"{bin_dir}:{os.environ['PATH']}", **env})
+
+
+def test_torchrun_template_rendezvouses_on_an_address_the_other_nodes_reach(tmp_path):
+    """hostname --ip-address gives 127.0.1.1 (stock Debian): the template takes the interface's address, node 0
+    alone serves the store (torch would otherwise treat a loopback endpoint as every node's own), and each
+    step gets the job's CPUs per task."""
+    proc = run_template(tmp_path, "torchrun.sbatch", "pytorch_DDP.py", "--epochs", "1", FAKE_ADDRS="10.1.2.3 fd00::1")
+    assert proc.returncode == 0, proc.stderr
+    nodes = [ln for ln in proc.stdout.splitlines() if ln.startswith("node ")]
+    assert len(nodes) == 2 and all("--rdzv-endpoint=10.1.2.3:29555" in ln for ln in nodes), proc.stdout
+    assert "is_host=1" in nodes[0] and "is_host=0" in nodes[1], nodes
+    assert proc.stdout.count("step cpus 3") == 2, proc.stdout  # SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+    assert "--rdzv-endpoint=10.9.9.9:29555" in run_template(tmp_path, "torchrun.sbatch", "pytorch_DDP.py",
+                                                            RDZV_ADDR="10.9.9.9").stdout  # the user's choice
+
+
+def test_a_head_node_with_only_loopback_is_refused_in_one_line(tmp_path):
+    proc = run_template(tmp_path, "torchrun.sbatch", "pytorch_DDP.py")
+    assert proc.returncode != 0 and "node " not in proc.stdout, proc.stdout  # no torchrun started
+    assert proc.stderr.strip().count("\n") == 0 and "node_addr.sh: " in proc.stderr and "RDZV_ADDR" in proc.stderr
+    one = subprocess.run(["bash", "slurm/node_addr.sh", "1"], cwd=ROOT, capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "FAKE_ADDRS": ""})
+    assert one.stdout.strip() == "127.0.1.1"  # one node: loopback is what it needs
+
+
+def test_accelerate_template_does_the_same(tmp_path):
+    proc = run_template(tmp_path, "accelerate.sbatch", "config/default_DDP.yml", "accelerate_DDP.py", nodes="0",
+                        FAKE_ADDRS="10.1.2.3")
+    assert proc.returncode == 0, proc.stderr
+    (node,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("node ")]
+    assert "--main_process_ip 10.1.2.3" in node and "--rdzv_conf is_host=1" in node, node
+    assert "step cpus 3" in proc.stdout
+
+
+def test_generated_job_files_give_each_step_the_jobs_cpus(tmp_path):
+    from types import SimpleNamespace
+
+    from common.bench import slurm
+
+    opts = SimpleNamespace(nodes=1, gpus_per_node=0, time="", partition="", account="", sbatch_arg=[])
+    run = {"name": "p/one", "script": "pytorch_SingleGPU.py", "args": {}, "timeout_s": 60, "nproc": 1}
+    text = slurm.sbatch_text(run, opts, str(tmp_path / "s.csv"), str(tmp_path))
+    export = text.index("export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK")
+    assert export < text.index('srun "$PYTHON" pytorch_SingleGPU.py')
+
+
+def test_loader_workers_are_sized_to_the_nodes_cpus(monkeypatch, capsys):
+    """8 ranks of 4 workers on 16 CPUs would be 40 processes resizing images: each rank gets its share, 2."""
+    from common import data
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(data, "_SIZED", [])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
+    cfg = TrainConfig(device="cpu", dataset="synthetic", image_size=8, batch_size=4, train_samples=8, test_samples=4,
+                      workers=4)
+    train, test = data.build_loaders(cfg, 0, 1, torch.device("cpu"))
+    assert train.num_workers == test.num_workers == cfg.workers == 2  # the row's `workers` says what ran
+    assert "rank 0: 16 CPUs for 8 processes on its node; 2 DataLoader workers per rank (--workers 4 capped" in \
+        capsys.readouterr().out
+    assert data.size_workers(TrainConfig(workers=4), {"LOCAL_WORLD_SIZE": "2"}) == 4  # 8 CPUs each: as asked
+    assert data.size_workers(TrainConfig(workers=4), {"LOCAL_SIZE": "32"}) == 1  # fewer CPUs than ranks
+    assert data.size_workers(TrainConfig(workers=0), {}) == 0
+    assert capsys.readouterr().out == ""  # said once per process
+
+
+def _save_dir_rank(rank, world, port, queue, root):
+    from common.checkpoint import check_shared_dir
+    from common.config import UsageError
+
+    out = {}
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                store=dist.TCPStore("127.0.0.1", port, world, rank == 0))
+        check_shared_dir(os.path.join(root, "shared"))  # one folder for both: passes
+        try:  # rank 1's "node" has a folder of its own under the same name
+            check_shared_dir(os.path.join(root, f"node{rank}"))
+        except UsageError as exc:
+            out["error"] = str(exc)
+        dist.destroy_process_group()
+    except Exception as exc:
+        out["error"] = repr(exc)
+    queue.put((rank, out))
+
+
+def test_a_save_dir_only_one_rank_sees_is_refused_before_training(tmp_path):
+    """Two ranks whose --save-dir is a different folder on each "node" (a node-local /tmp): both refuse, in one
+    line that names the folder and the rank that cannot see rank 0's files, where training would have failed at
+    the first epoch's checkpoint. fit() runs the check before resuming or training (common/train.py)."""
+    import functools
+
+    got = spawn_ranks(functools.partial(_save_dir_rank, root=str(tmp_path)))
+    for rank in (0, 1):
+        error = got[rank].get("error", "")
+        assert error.startswith(f"--save-dir {tmp_path}/node{rank} is not one folder for every rank: rank 1 ("), got
+        assert "\n" not in error
+    assert os.listdir(tmp_path / "shared") == []  # the token is gone
+
+
+def test_fit_checks_the_save_dir_before_resuming_or_training(monkeypatch):
+    from common import train
+    from common.config import UsageError
+
+    def refuse(folder):
+        raise UsageError(f"checked {folder}")
+
+    monkeypatch.setattr(train, "check_shared_dir", refuse)
+    hooks = types.SimpleNamespace(device=torch.device("cpu"))
+    with pytest.raises(UsageError, match="checked /nowhere"):  # before resume() reads or a batch is drawn
+        train.fit(TrainConfig(save_dir="/nowhere", resume="auto"), None, [None], None, hooks, checkpointer=object())
+
+
+def test_a_loader_bound_run_says_so_in_its_row():
+    from common.train import loader_row
+
+    assert loader_row(600.0, 560.0)["notes"] == ("the loader may bound the step: it delivered 600 img/s alone, "
+                                                 "training ran at 560")
+    assert loader_row(2000.0, 560.0) == {"loader_img_s": 2000.0, "notes": None}
+    assert loader_row(None, 560.0)["notes"] is None  # not probed (--loader-probe-batches 0)
+
+
+def test_a_foreach_optimizers_state_resumes_into_a_fused_one():
+    """A checkpoint written before the optimizer was fused (or by a CPU run, which stays foreach) resumed by a
+    fused one: the saved group flags must not switch its kernel back, or fp16's GradScaler step fails."""
+    from common.checkpoint import load_optimizer
+
+    model = torch.nn.Linear(4, 2)
+    old = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 4)).sum().backward()
+    old.step()
+    new = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    load_optimizer(new, old.state_dict())
+    assert new.param_groups[0]["fused"] is True and new.state[model.weight]["momentum_buffer"] is not None
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+    scaler.step(new)  # foreach flags restored here: "Expected grad_scale and found_inf to be None"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_an_optimizer_step_does_not_wait_for_the_device(monkeypatch, precision, name):
+    """The host syncs (Tensor.item, Tensor.cpu) in one ScaledStep.step of the optimizer CUDA parameters get.
+    Run on CPU, where GradScaler takes the same path: it depends on the optimizer alone
+    (_step_supports_amp_scaling), and torch has fused SGD and AdamW kernels for CPU too. With foreach (what
+    CPU parameters still get, and CUDA's before) fp16 waits once a step in _maybe_opt_step's found_inf.item()."""
+    from common.optim import build_optimizer, optimizer_spec
+    from common.precision import ScaledStep
+
+    cfg = TrainConfig(optimizer=name, precision=precision)
+    cuda = torch.nn.Parameter(torch.empty(2, device="meta"))
+    monkeypatch.setattr(torch.nn.Parameter, "is_cuda", property(lambda self: True))  # as on a GPU
+    cls, kwargs = optimizer_spec(cfg, fused=True)
+    assert build_optimizer(cfg, [cuda]).defaults["fused"] is True
+    assert build_optimizer(cfg, [cuda], fused=False).defaults["fused"] in (None, False)
+    monkeypatch.undo()
+    model = torch.nn.Linear(8, 4)
+    optimizer = cls(model.parameters(), **kwargs)
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    step = ScaledStep(cfg, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), scaler)
+    syncs = []
+    for method in ("item", "cpu"):
+        real = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda self, *a, _real=real, _m=method, **k:
+                            syncs.append(_m) or _real(self, *a, **k))
+    for _ in range(2):
+        step.backward(model(torch.randn(4, 8)).square().mean())
+        syncs.clear()
+        step.step()
+        assert syncs == [], syncs
