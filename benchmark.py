@@ -72,7 +72,8 @@ def cmd_report(opts) -> int:
     path = write_report(opts.results, opts.report, reference)
     print(f"report: {os.path.relpath(path, ROOT)}")
     if getattr(opts, "readme", None):
-        print(f"README tables: {os.path.relpath(update_readme(opts.readme, opts.results, reference), ROOT)}")
+        done = update_readme(opts.readme, opts.campaigns, reference)
+        print(f"README tables: {os.path.relpath(done, ROOT)} (results from {os.path.relpath(opts.campaigns, ROOT)})")
     return 0
 
 
@@ -171,6 +172,8 @@ def _report_args(p):
     add_output_args(p)
     p.add_argument("--readme", nargs="?", const=os.path.join(ROOT, "README.md"), default=None,
                    help="also rewrite the README's generated tables (between its markers)")
+    p.add_argument("--campaigns", default=os.path.join(ROOT, "results", "campaigns"),
+                   help="with --readme: the campaign folders whose GPU rows fill the README's results table")
 
 
 # name: (help, arguments, handler); `run` is the default when the first argument is no command

@@ -10,11 +10,10 @@ from common.registry import BY_FILE, SCRIPTS
 from common.report import update_readme, write_report
 from common.results import append_row
 
-# one script per launcher, and one that needs CUDA. accelerate_DDP.py: `accelerate launch` without DeepSpeed's
-# imports, which pytorch_DeepSpeed.py's launcher already pays (accelerate_DeepSpeed.py goes through `accelerate
-# launch` in tests/test_slurm.py's template)
-LAUNCHER_SAMPLE = ["pytorch_SingleGPU.py", "pytorch_DDP.py", "pytorch_DeepSpeed.py", "accelerate_DDP.py",
-                   "accelerate_FSDP.py"]
+# one script per launcher the matrix uses on a CPU (python, torchrun, deepspeed; an accelerate script runs under
+# torchrun there: matrix.launcher), and accelerate_FSDP.py, which needs CUDA: its skipped row stands for the
+# accelerate launcher (accelerate_DeepSpeed.py goes through `accelerate launch` in tests/test_slurm.py's template)
+LAUNCHER_SAMPLE = ["pytorch_SingleGPU.py", "pytorch_DDP.py", "pytorch_DeepSpeed.py", "accelerate_FSDP.py"]
 
 
 def bench(tmp_path, *args, timeout=900):
@@ -68,27 +67,78 @@ def test_report_from_partial_and_failed_rows(tmp_path):
     assert "oom (CUDA out of memory)" in text and "pytorch_DP" in text
 
 
-def test_readme_figures_put_the_articles_beside_the_measured(tmp_path):
-    csv, readme = str(tmp_path / "s.csv"), tmp_path / "README.md"
+def test_report_says_which_runs_ran_reference_kernels(tmp_path):
+    """A half-precision row on a CPU without native kernels carries the Flops instrument's note; the report's
+    section names those runs and why their time is the CPU's; a section without such rows says nothing."""
+    from common.measure.flops import REFERENCE_KERNELS
+
+    csv = str(tmp_path / "s.csv")
+    base = {"status": "ok", "device_name": "CPU X", "image_size": 16, "dataset": "synthetic", "global_batch_size": 32,
+            "model": "shufflenet_v2_x0_5", "throughput_img_s": 50.0}
+    append_row(csv, {**base, "script": "pytorch_half_precision.py", "run_name": "smoke/pytorch_half_precision",
+                     "precision": "pure_bf16", "notes": f"bf16 {REFERENCE_KERNELS}: this CPU has no native ..."})
+    append_row(csv, {**base, "script": "pytorch_auto_mixed_precision.py", "precision": "amp_bf16",
+                     "run_name": "smoke/pytorch_auto_mixed_precision", "notes": "something else"})
+    append_row(csv, {**base, "script": "pytorch_SingleGPU.py", "precision": "fp32", "model": "resnet18",
+                     "run_name": "smoke/pytorch_SingleGPU", "image_size": 32})
+    text = open(write_report(csv, str(tmp_path / "R.md"))).read()
+    lines = [ln for ln in text.splitlines() if ln.startswith("Reference kernels:")]
+    assert lines == [lines[0]] and "smoke/pytorch_half_precision ran pure_bf16 on torch's reference" in lines[0]
+    assert "auto_mixed" not in lines[0] and "cpu_emulated_half_args" in lines[0]
+
+
+def test_readme_figures_put_the_articles_beside_the_newest_gpu_campaign(tmp_path):
+    """The README's results table: per articles' run, the newest GPU campaign's row of its script at the
+    articles' setup (the default run over a TF32 one), never a CPU row or another setup; a provenance line
+    per campaign used."""
+    readme, camps = tmp_path / "README.md", tmp_path / "campaigns"
     readme.write_text("# x\n<!-- scripts:start -->\n<!-- scripts:end -->\n<!-- figures:start -->\nold\n"
                       "<!-- figures:end -->\ntail\n")
-    append_row(csv, {"script": "pytorch_DDP.py", "precision": "fp32", "status": "ok", "device_name": "GPU X",
-                     "model": "resnet50", "image_size": 224, "global_batch_size": 128, "world_size": 4,
-                     "train_time_s": 555.5, "peak_allocated_gib": 3.3})
-    append_row(csv, {"script": "pytorch_DDP.py", "precision": "fp32", "status": "ok", "device_name": "GPU X",
-                     "model": "resnet18", "image_size": 32, "global_batch_size": 16, "world_size": 2,
-                     "train_time_s": 9.0, "throughput_img_s": 777.0})
-    append_row(csv, {"script": "pytorch_FSDP.py", "precision": "fp32", "status": "ok", "device_name": "CPU Y",
-                     "model": "resnet18", "image_size": 32, "global_batch_size": 16, "world_size": 2})
-    update_readme(str(readme), csv, os.path.join(ROOT, "results", "reference.csv"))
+    gpu = {"status": "ok", "device": "cuda", "device_name": "GPU X", "model": "resnet50", "image_size": 224,
+           "global_batch_size": 128, "num_devices": 1, "precision": "fp32", "driver_version": "580.1",
+           "torch_version": "2.11"}
+    for name, rows_ in {
+        "2026-01-01_gpux_throughput": [{**gpu, "script": "pytorch_DDP.py", "run_name": "t/pytorch_DDP",
+                                        "step_ms_p50": 100.0, "throughput_img_s": 1280.0}],
+        "2026-02-01_gpux_throughput": [
+            {**gpu, "script": "pytorch_DDP.py", "run_name": "t/pytorch_DDP", "step_ms_p50": 90.0,
+             "throughput_img_s": 1422.2, "peak_allocated_gib": 3.3},
+            {**gpu, "script": "pytorch_SingleGPU.py", "run_name": "t/pytorch_SingleGPU", "throughput_img_s": 900.0},
+            {**gpu, "script": "pytorch_SingleGPU.py", "run_name": "t/single_tf32", "tf32": True,
+             "throughput_img_s": 1800.0},
+            {**gpu, "script": "pytorch_FSDP.py", "run_name": "t/pytorch_FSDP", "global_batch_size": 256,
+             "throughput_img_s": 7777.0}],
+        "2026-03-01_cpu_grid": [{**gpu, "device": "cpu", "device_name": "CPU Y", "script": "pytorch_DP.py",
+                                 "run_name": "t/pytorch_DP", "throughput_img_s": 5555.0}],
+    }.items():
+        (camps / name).mkdir(parents=True)
+        for r in rows_:
+            append_row(str(camps / name / "summary.csv"), r)
+    update_readme(str(readme), str(camps), os.path.join(ROOT, "results", "reference.csv"))
     text = readme.read_text()
     lines = {ln.split(" | ")[0]: ln for ln in text.splitlines() if ln.startswith("| ")}
     ddp = lines["| DDP"]
-    # the articles setup wins over a newer row elsewhere
-    assert "| 3.12 |" in ddp and "| 560 |" in ddp and "555.5" in ddp and "3.30" in ddp
-    assert "777" not in text and "old" not in text and text.endswith("tail\n")
-    assert "CPU Y" in lines["| FSDP"] and "not the articles' setup" in lines["| FSDP"]
-    assert "not measured yet" in lines["| DataParallel"]
+    assert "| 3.12 | 560 | 446 |" in ddp and "2026-02-01_gpux_throughput" in ddp and "| 90.0 | 1422 | 3.30 |" in ddp
+    assert "| 900 |" in lines["| single GPU fp32"] and "1800" not in text
+    for run in ("| FSDP", "| DataParallel"):  # another setup, a CPU row
+        assert "not measured yet" in lines[run], lines[run]
+    assert "5555" not in text and "7777" not in text and "old" not in text and text.endswith("tail\n")
+    assert "- [2026-02-01_gpux_throughput](results/campaigns/2026-02-01_gpux_throughput/): GPU X, driver 580.1, " \
+           "torch 2.11" in text and "2026-01-01" not in text
+
+
+def test_the_committed_report_sample_is_what_report_writes(tmp_path):
+    """results/REPORT.md is generated from a committed campaign by the README's one command: a change to the
+    report (or to the campaign) that leaves the sample stale fails here."""
+    from common.report import REPORT_SAMPLE, SAMPLE_COMMAND
+
+    got = write_report(os.path.join(ROOT, REPORT_SAMPLE), str(tmp_path / "REPORT.md"),
+                       os.path.join(ROOT, "results", "reference.csv"))
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert f"<!-- sample:start -->\n`{SAMPLE_COMMAND}`\n<!-- sample:end -->" in readme
+    with open(os.path.join(ROOT, "results", "REPORT.md")) as fh:
+        assert fh.read() == open(got).read(), "results/REPORT.md is stale: regenerate it with the README's command"
+    assert sorted(os.listdir(tmp_path / "charts")) == sorted(os.listdir(os.path.join(ROOT, "results", "charts")))
 
 
 def test_report_of_an_empty_or_missing_csv(tmp_path):

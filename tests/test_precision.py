@@ -97,10 +97,27 @@ print(adaptive, faults_per_cycle())
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt (musl's is a stub; none off Linux)")
 def test_a_cpu_run_keeps_the_memory_its_steps_free():
     """configure_backends on a CPU fixes glibc's thresholds (steady_host_allocator): a step's activations
-    are not faulted in again every step, in some processes and not others (docs/measured.md)."""
+    are not faulted in again every step, in some processes and not others
+    (results/campaigns/2026-11-25_epyc_grids_c/notes.md)."""
     pages = (4 * 30 + 40 << 20) // resource.getpagesize()
     out = subprocess.run([sys.executable, "-c", CYCLES, "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     adaptive, steady = map(float, out.stdout.split())
     assert adaptive > 0.2 * pages, (adaptive, pages)  # the test sees the fault it guards against
     assert steady < 0.02 * pages, (steady, pages)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_half_row_says_when_it_ran_reference_kernels(monkeypatch, native):
+    """Where this CPU has no native oneDNN kernels for the run's half precision, the row's notes say so (the
+    report names such runs: common/report.py _reference_kernels); fp32 rows never carry it."""
+    from common.measure import flops
+
+    monkeypatch.setattr(flops, "native_half_kernels", lambda p: native or p == "fp32")
+    monkeypatch.setattr(flops, "cpu_gemm_tflops", lambda *a, **k: 1.0)
+    monkeypatch.setattr(flops, "train_flops_per_image", lambda *a: 1e9)
+    cpu = torch.device("cpu")
+    for prec in ("bf16", "fp16", "fp32"):
+        notes = flops.Flops("resnet18", 32, prec, [cpu], cpu, throughput=lambda: 1.0).row().get("notes") or ""
+        assert (flops.REFERENCE_KERNELS in notes) == (not native and prec != "fp32"), (prec, notes)
+        assert not notes or notes.startswith(f"{prec} ran torch's reference kernels")

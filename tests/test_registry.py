@@ -104,6 +104,26 @@ def test_presets_cover_every_registered_script():
     assert {r["args"]["save_dir"] for r in moved} == {"/elsewhere"}
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_smoke_trains_a_smaller_model_where_half_precision_has_no_native_kernels(monkeypatch, native):
+    """On a CPU without native bf16 kernels the smoke preset's half-precision runs train the preset's
+    cpu_emulated_half_args; every other run, and every run on a GPU, keeps the preset's model."""
+    import common.precision as precision
+
+    monkeypatch.setattr(precision, "native_half_kernels", lambda p: native or p == "fp32")
+    path = os.path.join(ROOT, "config", "benchmark.yaml")
+    cpu = {r["name"]: r for r in matrix.load_matrix(path, "smoke", None, gpus=0)}
+    half = {n for n, r in cpu.items() if r["args"].get("precision", "fp32") != "fp32"}
+    assert half == {"smoke/pytorch_half_precision", "smoke/pytorch_auto_mixed_precision"}
+    for name, r in cpu.items():
+        small = not native and name in half
+        own = registry.BY_FILE[r["script"]].preset_args.get("model", "resnet18")  # pytorch_TP.py: its ViT
+        assert (r["args"]["model"], r["args"]["image_size"], r["emulated_half"]) == (
+            ("shufflenet_v2_x0_5", 16, True) if small else (own, 32, False)), name
+    gpu = matrix.load_matrix(path, "smoke", None, gpus=1)
+    assert {r["args"]["model"] for r in gpu} == {"resnet18", "vit_b_16"} and not any(r["emulated_half"] for r in gpu)
+
+
 def test_distributed_config_is_what_multi_process_scripts_use():
     for entry in registry.SCRIPTS:
         cls = config_class(entry.file)
@@ -113,7 +133,7 @@ def test_distributed_config_is_what_multi_process_scripts_use():
 @pytest.mark.parametrize("name", sorted(matrix.LAUNCHER_MODULES))
 def test_a_launcher_not_beside_python_runs_as_its_module(tmp_path, monkeypatch, name):
     """`pip install --target` (how a wheel reaches a GPU machine without an index) leaves deepspeed's script
-    neither beside python nor on PATH: the H100 lease of 2026-11-26 lost every DeepSpeed run to that. The
+    neither beside python nor on PATH: a GPU machine once lost every DeepSpeed run to that. The
     fallback must be the very module the installed script runs, and a module `python -m` can run."""
     import importlib.util
     from importlib.metadata import distribution, entry_points

@@ -5,6 +5,8 @@ A preset has common `args`, a `timeout_s`, `scripts: all` (one run per registry 
 registry's preset_args) and `runs`: an entry without `name` changes the default run of its script,
 an entry with a `name` adds a run. `gpu_args` / `cpu_args` apply on that hardware only, and
 `gpu_only: true` (or the registry's needs_cuda) records a run as skipped on a CPU-only machine.
+`cpu_emulated_half_args` apply, on a CPU, to a run in a half precision that this CPU has no native
+kernels for (oneDNN's reference kernels take 30-70x fp32's time: the smoke preset trains a smaller model).
 """
 from __future__ import annotations
 
@@ -68,6 +70,16 @@ def _entries(spec: dict, path: str) -> list[dict]:
     return out
 
 
+def _emulated_half(spec: dict, args: dict, gpus: int) -> dict:
+    """The preset's cpu_emulated_half_args where this run's half precision would run reference kernels."""
+    extra = spec.get("cpu_emulated_half_args") or {}
+    from ..precision import native_half_kernels
+
+    if gpus or not extra or native_half_kernels(str(args.get("precision", "fp32"))):
+        return {}
+    return extra
+
+
 def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_dir: str = "") -> list[dict]:
     """The preset's runs; save_dir (benchmark.py --save-dir) replaces every run's checkpoint folder."""
     with open(path) as fh:
@@ -86,7 +98,10 @@ def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_
         names.add(name)
         args = {**spec.get("args", {}), **run.get("args", {}), **run.get("gpu_args" if gpus else "cpu_args", {}),
                 **({"save_dir": save_dir} if save_dir else {})}
+        emulated = _emulated_half(spec, args, gpus)
+        args.update(emulated)
         runs.append({"name": name, "script": script, "args": args, "nproc": processes(script, gpus),
+                     "emulated_half": bool(emulated),
                      "gpu_only": run.get("gpu_only", False) or BY_FILE[script].needs_cuda,
                      "timeout_s": run.get("timeout_s", spec.get("timeout_s", 3600))})
     if only:
@@ -338,6 +353,12 @@ def run_matrix(opts) -> int:
     times = f", each launched {repeats} times, round by round" if repeats > 1 else ""
     print(f"preset {opts.preset}: {len(runs)} runs on {device} ({gpus} GPUs){times}" if gpus else
           f"preset {opts.preset}: {len(runs)} runs on {device} (no GPU: 2 gloo processes per distributed run){times}")
+    emulated = [r for r in runs if r.get("emulated_half")]
+    if emulated:
+        first, kinds = emulated[0]["args"], ", ".join(sorted({str(r["args"]["precision"]) for r in emulated}))
+        print(f"this CPU has no native kernels for {kinds}: "
+              f"{len(emulated)} half-precision run(s) train {first.get('model')} at {first.get('image_size')} px "
+              "(the preset's cpu_emulated_half_args)")
     runs = rounds(runs, repeats, gpus)
     t0 = time.time()
     failures = 0

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
 from ..distributed import barrier, global_rank, reduce_metrics
-from ..precision import DTYPES
+from ..precision import DTYPES, native_half_kernels
 from . import Instrument
 
 # Dense (no 2:4 sparsity) peak TFLOP/s per GPU: (fp32, tf32, fp16, bf16). None: the math does not
@@ -160,6 +160,9 @@ def _sig(x: float | None, digits: int = 4) -> float | None:
     return None if x is None else float(f"{x:.{digits}g}")
 
 
+REFERENCE_KERNELS = "ran torch's reference kernels"  # the report finds such rows by it
+
+
 class Flops(Instrument):
     """FLOPs per image, counted once when the instruments are built (before the window opens), the
     peak of this process's devices, and, at row(), the achieved rate at the run's throughput."""
@@ -167,7 +170,8 @@ class Flops(Instrument):
     def __init__(self, model: str, image_size: int, precision: str, devices: list[torch.device],
                  run_device: torch.device, throughput: Callable[[], float]):
         self.run_device, self.throughput = run_device, throughput
-        self.flops_per_img = None
+        self.reference_kernels = run_device.type == "cpu" and not native_half_kernels(precision)
+        self.precision, self.flops_per_img = precision, None
         if global_rank() == 0:  # the row's, which rank 0 writes: the others skip the count (0.3-0.9 s of a CPU)
             try:
                 self.flops_per_img = train_flops_per_image(model, image_size)
@@ -194,8 +198,13 @@ class Flops(Instrument):
         mfu = achieved / peak if achieved is not None and peak else None
         row = {"train_gflop_per_img": _sig(per_img and per_img / 1e9), "achieved_tflops": _sig(achieved),
                "peak_tflops": _sig(peak), "mfu": _sig(mfu)}
+        notes = []
+        if self.reference_kernels:  # the report names such runs (common/report.py _reference_kernels)
+            notes.append(f"{self.precision} {REFERENCE_KERNELS}: no native oneDNN {self.precision} kernels here")
         if mfu is not None and mfu > 1:
-            row["notes"] = ("mfu above 1: the peak is this machine's best measured GEMM rate, which "
-                            "convolution kernels doing fewer multiply-adds than the FLOPs counted (Winograd) can beat"
-                            if self.run_device.type == "cpu" else "mfu above 1: the FLOP count exceeds the work done")
+            notes.append("mfu above 1: the peak is this machine's best measured GEMM rate, which "
+                         "convolution kernels doing fewer multiply-adds than the FLOPs counted (Winograd) can beat"
+                         if self.run_device.type == "cpu" else "mfu above 1: the FLOP count exceeds the work done")
+        if notes:
+            row["notes"] = "; ".join(notes)
         return row
