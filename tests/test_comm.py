@@ -9,7 +9,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from helpers import ROOT, TINY, check_ok, clean_env, free_port, rows, run, tiny_args
+from helpers import ROOT, TINY, check_ok, clean_env, free_port, rows
 
 from common.bench.matrix import tool
 from common.config import TrainConfig
@@ -102,10 +102,14 @@ def test_ddp_calls_per_step_do_not_change_with_log_every(runs):
 
 
 @pytest.mark.slow
-def test_fsdp_accumulation_gathers_per_micro_batch_and_reduces_once(tmp_path):
+@pytest.mark.launches("pytorch_FSDP-fp32-accum2")
+def test_fsdp_accumulation_gathers_per_micro_batch_and_reduces_once(runs):
     """--grad-accum 2: full shard gathers the weights twice per micro-batch (4x), reduce-scatters once;
     without set_requires_gradient_sync(False) it would reduce-scatter twice (24 B/param, not 20)."""
-    r = _measured(tmp_path, "pytorch_FSDP.py", "torchrun", grad_accum=2)
+    (run_,) = runs
+    check_ok(run_.proc)
+    r = run_.row
+    assert r["grad_accum"] == "2" and r["world_size"] == "2"
     assert expected_bytes(r["strategy"], r["precision"], RESNET18_PARAMS, 2) == 20 * RESNET18_PARAMS
     assert float(r["comm_bytes_per_step"]) == pytest.approx(20 * RESNET18_PARAMS, rel=0.10)
 
@@ -153,13 +157,6 @@ def test_expected_volumes():
     assert expected_bytes("fsdp_hybrid", "fp32", RESNET18_PARAMS) is None
 
 
-def _measured(tmp_path, script, launcher, **over):
-    proc = run(script, tiny_args(tmp_path, **{**FAST, **over}), nproc=2, launcher=launcher, timeout=600)
-    check_ok(proc)
-    (r,) = rows(tmp_path / "summary.csv")
-    return r
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("launch, factor", [
     ("pytorch_FSDP-fp32", 3.0),  # all-gather x2 + reduce-scatter
@@ -187,7 +184,7 @@ def test_zero3_rows_count_the_collectives_the_model_prices(runs):
     the forward's weights in one coalesced all-gather (stage3_prefetch_bucket_size, 5e7 elements, holds
     its 11.4M), one bucket of gradients reduce-scattered, the norm's all-reduce, and each of the 50 weights
     under stage3_param_persistence_threshold gathered in a call of its own after the step (stage3.py
-    _post_step). The model priced those 50 as one call until 2026-11-25."""
+    _post_step): 50 calls, not one."""
     from common.measure.memory import Setup
     from common.measure.timemodel import Compute, Link, predict_step
 

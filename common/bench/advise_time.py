@@ -10,10 +10,9 @@ from ..measure.memory import GIB
 from ..measure.timemodel import Compute, predict_step
 from ..measure.timespec import gpu_compute_ms, link_for
 
-# the step model's median absolute error where it was checked (docs/time-log.md, the Xeon grids of 2026-11-25):
-# 12 strategies on 2 CPU cores, resnet18, 3 launches each: on an Intel Xeon 2.8% and 2.4% (32, 64 px) on
-# rows measured right after their calibration, 8.5% as run at 32 px with a fresh one (2026-11-25 16:05);
-# the largest is kept. Unchecked on GPUs
+# the step model's median absolute error where it was checked (docs/time.md, "Checked error"): 12 strategies
+# on 2 CPU cores, resnet18, 3 launches each, 2.4-10.7% over the stored Xeon grids (results/campaigns/); a
+# value near their upper half is kept. Unchecked on GPUs
 MODEL_ERROR = 0.085
 CURVE = ("ddp", "ddp_zero", "fsdp_shard-grad-op", "fsdp_full-shard", "deepspeed_zero2", "deepspeed_zero3")
 

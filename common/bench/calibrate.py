@@ -95,8 +95,8 @@ def _spawn(spec: dict, procs: int, threads: int):
 def _quiet(draw, relaunch: int, what: str):
     """draw() again, up to `relaunch` times, while the host was busy with other work or the hypervisor during
     it (BUSY_PCT or more of its CPU time): an entry measured while the hypervisor took a third of the CPUs
-    prices every run from it a third slow (the Xeon VM of 2026-11-27: one FSDP launch 1396 ms a step at 35.6%
-    stolen, the others 625-671 ms at 0.1-2.3%). A draw's busy share is its row's timed window's (`_busy_pct`)
+    prices every run from it a third slow (on a 2-core VM: one FSDP launch 1396 ms a step at 35.6% stolen, the
+    others 625-671 ms at 0.1-2.3%). A draw's busy share is its row's timed window's (`_busy_pct`)
     where it is one run, else the whole launch's seen from here. The last draw is kept."""
     for attempt in range(relaunch + 1):
         with LaunchShare() as share:
@@ -129,7 +129,7 @@ def _rounds(jobs: list, repeats: int, between=None, relaunch: int = 0) -> dict:
     """{name: (each figure's median, the first draw's row)} of jobs [(name, draw, optional)], launched round
     by round (every job's r-th launch before any job's r+1-th), as the matrix runs its --repeats: a 2-core
     CPU has slow spells longer than a launch (launch-to-launch speed correlated 0.26-0.28 from one launch
-    to the next, 2026-11-25), and back-to-back launches of one entry shared one (two entries of the same
+    to the next), and back-to-back launches of one entry shared one (two entries of the same
     forward and backward, DeepSpeed ZeRO-1's and ZeRO-2's on one process, 119 and 95 ms). `between()` runs
     after the first round. An optional job whose launch fails is left out, with its reason. A draw on a busy
     host is drawn again, up to `relaunch` times (_quiet)."""
@@ -253,11 +253,10 @@ def _wait_all(procs: list) -> int | None:
 def loader_workers(given: int | None, preset_args: dict, cuda: bool) -> int:
     """The loader workers of the compute entries' runs: on a GPU the preset's, so that an entry runs as the
     runs do; on a CPU 0, as the CPU grids were checked (a loader's share of the cores is priced apart: the
-    loader bound of timepred.py). On an H100, entries measured without workers priced the GPU tier's AMP step
-    at batch 32, whose pace is the launching thread's, 16-23% short; its compute phase took 26.4-28.2 ms in
-    runs with 0, 2 and 8 workers against 21.1 in the calibration, and an entry with the runs' 2 workers
-    passed. What made the workers-0 launch fast is not settled (docs/time.md). An entry's 13 batches are
-    fewer than 8 workers fetch ahead (2 each), so with that many they finish early in its window."""
+    loader bound of timepred.py). On an H100 an AMP step at batch 32 runs at the launching thread's pace, and
+    entries measured without workers priced it 16-23% short where an entry with the runs' workers held
+    (results/campaigns/2026-11-27_h100_throughput_b). An entry's 13 batches are fewer than 8 workers fetch
+    ahead (2 each), so with that many they finish early in its window."""
     if given is not None and given < 0:
         raise UsageError(f"--workers {given}: 0 or more")
     if given is not None:

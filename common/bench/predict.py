@@ -3,8 +3,8 @@
 Each ok row's step is predicted anew by this checkout's step model (common/measure/timemodel.py) from
 a calibration (default results/calibration.json), and set beside what the row measured and what it
 predicted when it ran. Two uses: a calibration taken after the runs, and a change to the model judged
-on the same measured rows, with the machine's drift between launches held out (docs/time-log.md: "Each
-change on the same rows").
+on the same measured rows, with the machine's drift between launches held out (docs/time.md,
+"benchmark.py predict").
 
 What the row does not hold is assumed: the shipped DeepSpeed JSONs' bucket sizes (as the report's
 memory section), a pipeline's default split, and for rows written before the `workers` column the

@@ -23,11 +23,11 @@ results/calibration.json holds, with the machine's fingerprint (device name, CPU
            own_comm_ms: the time in the script's own collectives at world size 1 (gloo still copies:
            DeepSpeed ZeRO-3's gradient reduce-scatter), measured as a run's exposed communication and
            kept out of forward, backward and optimizer; only a one-process run of the strategy pays it
-           (absent before 2026-11-26: such an entry holds it in its compute, and n ranks pay it twice).
+           (an older file without it holds it in its compute, and n ranks pay it twice).
   pieces   per (model, image size, micro-batch, compute mode, threads): the forward and backward
            ms of a ResNet's four one-stage pieces (stem+layer1, layer2, layer3, layer4+head: the finest
            pipeline split), timed one after another in one process, at the pipeline's micro-batch and
-           (since 2026-11-27) the data-parallel ranks'. A pipeline's stage shares come from them, and the
+           the data-parallel ranks'. A pipeline's stage shares come from them, and the
            other strategies' unit shares (when a DDP bucket is ready: timemodel.time_shares); the compute
            entry still gives the whole micro-batch's time, under the ranks' contention. FLOPs misjudge
            them on a CPU, where a small layer4's weights set its pace.
@@ -121,8 +121,8 @@ def compute_of(entry: dict, data_ms: float, source: str):
 def find_pieces(data: dict | None, device_name: str, model: str, image_size: int, batch: int, mode: str,
                 threads: int, nearest: bool = False) -> list | None:
     """[(fwd_ms, bwd_ms)] of the four pieces at exactly this setup, or None (FLOP shares then). nearest:
-    else those of the nearest micro-batch timed at this model, size, mode and threads (shares only: a
-    calibration from before 2026-11-27 timed the pieces at the pipeline's micro-batch alone)."""
+    else those of the nearest micro-batch timed at this model, size, mode and threads (shares only: an
+    older calibration timed the pieces at the pipeline's micro-batch alone)."""
     if not data or data.get("device_name") != device_name:
         return None
     pieces = data.get("pieces", {})

@@ -1,9 +1,9 @@
 """The host's share of the timed window: whether the run had its CPUs to itself while it was timed.
 
-A step time is only as good as the host it ran on. On the 2-core Xeon VM of 2026-11-27, a launch of
-the same FSDP run measured a median step of 632 ms and another of 1415 ms, 30 minutes apart. These
-columns tell whether a slow launch lost its CPUs to something else. On a GPU host they show a busy host
-slowing the launches and the loader.
+A step time is only as good as the host it ran on: on a 2-core VM, two launches of the same FSDP run
+half an hour apart measured median steps of 632 and 1415 ms, the second with a third of its CPU time
+stolen by the hypervisor. These columns tell whether a slow launch lost its CPUs to something else. On a
+GPU host they show a busy host slowing the launches and the loader.
 
     host_other_pct  the share of the CPU time of the run's CPUs (its affinity mask) that went to work
                     which was not the run's: other processes (a build, another benchmark, a test

@@ -103,9 +103,9 @@ DDP_WRAPPED = ("ddp", "accelerate_ddp", "ddp_zero")
 DS_REUSE_DISTANCE, DS_PERSISTENCE = 1_000_000_000, 100_000
 DS_ALLREDUCE_ELEMENTS = 500_000_000  # deepspeed/runtime/engine.py MEMORY_OPT_ALLREDUCE_SIZE: ZeRO-0's buffers
 # The share of the time DDP's buckets run beside the backward on a CPU that the backward loses to them. Fitted
-# to the four Xeon grids of 2026-11-26/27 (2 gloo ranks of one thread, resnet18): their rows put it at
-# 0.2-0.5 at 32 px and 0-0.1 at 64 px (measured compute above its entry over the time hidden); 0.3 gives
-# their 12 DDP-family runs the least mean absolute error (6.5%; 1.0, about hiding nothing: 9.1%). Alone, an
+# to four 2-core Xeon time grids (results/campaigns/*_xeon_grid*: 2 gloo ranks of one thread, resnet18): their
+# rows put it at 0.2-0.5 at 32 px and 0-0.1 at 64 px (measured compute above its entry over the time hidden);
+# 0.3 gives their 12 DDP-family runs the least mean absolute error (6.5%; 1.0, about hiding nothing: 9.1%). Alone, an
 # all-reduce of 1-44 MiB keeps 0.66-0.83 of a core busy a rank (getrusage), but much of that waits in the
 # transport and yields to compute.
 CPU_BESIDE_COST = 0.3
@@ -364,8 +364,8 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     # DDP's buckets go out beside the backward on a CPU too: the Reducer hands each to the process group
     # and waits for them all only at the backward's end (reducer.cpp finalize_backward), and gloo runs an
     # all-reduce on its own worker threads (ProcessGroupGloo enqueue -> runLoop), not the caller's. The rows
-    # measure it: comm_overlap_pct 62-84% for DDP and accelerate's DDP in the four Xeon grids of
-    # 2026-11-26/27, 0% for FSDP and DeepSpeed ZeRO-1/2, whose collectives the training thread waits on.
+    # measure it: comm_overlap_pct 62-84% for DDP and accelerate's DDP in the Xeon time grids, 0% for FSDP
+    # and DeepSpeed ZeRO-1/2, whose collectives the training thread waits on.
     beside = not overlap and st in DDP_WRAPPED and n > 1
     s = _Schedule(overlap or beside, link.meet_ms if n > 1 else 0.0)
     accum = setup.grad_accum
@@ -473,7 +473,7 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     exposed = max(0.0, s.length - compute)
     if beside:
         # what the buckets beside the backward take from it on a CPU, whose cores the training thread and
-        # gloo's threads share: fitted, not derived (docs/time.md "DDP's buckets on a CPU"), on the hidden
+        # gloo's threads share: fitted, not derived (docs/time-model.md "DDP's buckets on a CPU"), on the hidden
         # meetings' waits too, as it was fitted
         compute += CPU_BESIDE_COST * max(0.0, s.comm - exposed)
     p.compute_ms = compute
