@@ -76,8 +76,10 @@ HISTORY.append(_before("tp_size", *_TIME))  # 0.4.0: before the time columns
 HISTORY.append(_before("tp_size"))  # 0.5.0: before tensor parallelism
 HISTORY.append(_before())  # 0.6.0: before `workers` (the loader processes a rank had)
 HISTORY.append([c for c in COLUMNS if c not in PRED_TIME_PARTS + HOST + ["dist_timeout_s"]])  # development: workers
-HISTORY.append([c for c in COLUMNS if c not in HOST + ["dist_timeout_s"]])  # 5b7bdec: before the host's share
-HISTORY.append([c for c in COLUMNS if c != "dist_timeout_s"])  # before --dist-timeout-s
+HISTORY.append([c for c in COLUMNS if c not in HOST + ["dist_timeout_s"]])  # development: before the host's share
+HISTORY.append([c for c in COLUMNS if c != "dist_timeout_s"])  # 0.6.x as released: before --dist-timeout-s
+# COLUMNS is this release's header; pyproject.toml's version says the same (tests/test_results.py)
+SCHEMA_VERSION = "0.7.0"
 
 
 def _lock(path: str) -> FileLock:

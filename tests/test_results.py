@@ -113,6 +113,16 @@ def test_every_released_header_is_still_upgraded():
 
     path = os.path.join(os.path.dirname(__file__), "released_headers.txt")
     released = [ln.rstrip("\n").split(",") for ln in open(path) if ln.strip() and not ln.startswith("#")]
-    assert len(released) == 9  # the last: before dist_timeout_s
+    assert len(released) == 9  # the last: 0.6.x, before dist_timeout_s
     for header in released:
         assert header in HISTORY, [c for c in header if c not in COLUMNS] or header[-5:]
+
+
+def test_the_project_version_is_the_results_schemas_release():
+    """pyproject.toml's version names the release whose header COLUMNS is (a new column is a new release)."""
+    import re
+
+    from common.results import SCHEMA_VERSION
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "pyproject.toml")) as fh:
+        assert re.search(r'^version = "([^"]+)"', fh.read(), re.M).group(1) == SCHEMA_VERSION
