@@ -26,12 +26,12 @@ leave the second core idle, about 18% of a 2-rank launch. The checks on shared r
 bytes, sums that tile the window), not timings.
 
 Beside the other tests: a test that uses about one core and checks no timing runs with one launch of the
-tests ahead beside it (`beside(item)`): every fast-tier test (in-process, one core) but the few marked
-`alone` (real sleeps timed against tolerances), and the slow ones marked `@pytest.mark.beside` (one process
+tests ahead beside it (`beside(item)`): every fast-tier test (in-process, one core; none times real sleeps,
+CONTRIBUTING.md), and the slow ones marked `@pytest.mark.beside` (one process
 at a time, or a launcher's waits: a calibration, the doctor, a compile). Any other test first waits for the
 launches in flight and starts none (conftest.py), so that its own launches have the cores to themselves. The
 look-ahead starts from the session's first test and looks past every test to the next launch not yet run.
-On the Xeon of 2026-11-27 (2 cores) the suite left a core idle for 563 of its 3068 core-seconds before this.
+Without this the suite left a core idle for about a fifth of its core-seconds on a 2-core machine.
 A launch is built when it is planned, in pytest's thread, from the session's environment and launchers as
 they were when the session began: a fast test that monkeypatches the environment, `sys.executable`,
 `subprocess` or the launcher lookup while a launch starts in a pool thread changes nothing of it.
@@ -154,8 +154,10 @@ CASES.update({
     "pytorch_MP-vit_b_16": Launch("pytorch_MP.py", "fp32", tuple(sorted(VIT_SPLIT.items()))),
     "pytorch_TP-fp32-dp2": Launch("pytorch_TP.py", "fp32", tuple(sorted({**VIT_SPLIT, "tp": 2}.items())), 4,
                                   "torchrun"),
-    "accelerate_FSDP-twin-bf16": Launch("accelerate_FSDP.py", "bf16", (("clip_grad_norm", 1.0),), 2, "torchrun",
-                                        twin=("tests/twins/accelerate_fsdp_on_cpu.py",)),
+    # the half-precision twin trains HALF_MODEL, as every half case: resnet18 on reference bf16 kernels (AVX2-only
+    # CPUs) takes seconds a step
+    "accelerate_FSDP-twin-bf16": Launch("accelerate_FSDP.py", "bf16", (("clip_grad_norm", 1.0), ("model", HALF_MODEL)),
+                                        2, "torchrun", twin=("tests/twins/accelerate_fsdp_on_cpu.py",)),
 })
 CASES.update({name: replace(CASES[base], over=tuple(sorted({**dict(CASES[base].over), **more}.items())),
                              nproc=nproc or CASES[base].nproc)
@@ -165,9 +167,13 @@ CASES.update({name: replace(CASES[base], over=tuple(sorted({**dict(CASES[base].o
     ("pytorch_DDP-fp32-log1", "pytorch_DDP-fp32", {"log_every": 1}, 2),
     # 2 ranks x 2 accumulated micro-batches of 3 (test_equivalence)
     ("pytorch_DDP-fp32-accum2", "pytorch_DDP-fp32", {"grad_accum": 2}, 2),
+    # FSDP's gathers per micro-batch, its one reduce-scatter per step (test_comm)
+    ("pytorch_FSDP-fp32-accum2", "pytorch_FSDP-fp32", {"grad_accum": 2, "epoch_checkpoints": False}, 2),
     # the other schedule and an explicit split (test_equivalence)
     ("pytorch_PP-fp32-1f1b", "pytorch_PP-fp32", {"schedule": "1f1b", "split": "2,2"}, None),
 ]})
+# test_reliability's uninterrupted reference for a run whose rank 1 is killed and restarted: TINY's flags, 3 epochs
+CASES["pytorch_DDP-fp32-3epochs"] = Launch("pytorch_DDP.py", "fp32", (("epochs", 3),), 2, "torchrun")
 # test_memory's model state at 3 ranks (3 divides none of resnet18's parameter counts: padded, uneven shards)
 # with AdamW's two states, for what test_scripts' fp32 runs do not cover: DDP+ZeRO with AdamW, FSDP's
 # shard-grad-op, DeepSpeed's ZeRO-2 (torchrun: the deepspeed launcher runs in pytorch_DeepSpeed-launcher)
@@ -205,11 +211,9 @@ POPEN = subprocess.Popen  # as imported: test_time's calibrate tests replace sub
 
 
 def beside(item) -> bool:
-    """A test a prefetched launch may run beside: the fast tier's (in-process, one core) but those marked
-    `alone` (real sleeps timed against tolerances), and the slow ones marked `beside`."""
-    if item.get_closest_marker("slow") is None:
-        return item.get_closest_marker("alone") is None
-    return item.get_closest_marker("beside") is not None
+    """A test a prefetched launch may run beside: the fast tier's (in-process, one core) and the slow ones
+    marked `beside`."""
+    return item.get_closest_marker("slow") is None or item.get_closest_marker("beside") is not None
 
 
 class SharedLaunches:

@@ -141,22 +141,24 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 @pytest.mark.slow
-def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_result(tmp_path):
+@pytest.mark.launches("pytorch_DDP-fp32-3epochs")
+def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_result(tmp_path, runs):
     """torchrun --max-restarts 1 restarts the group after a SIGKILLed rank: the new group must form
     (it used to dial the dead attempt's gloo addresses), resume from the epoch-1 checkpoint, and
-    end with one row equal to an uninterrupted run's."""
+    end with one row equal to an uninterrupted run's (a shared launch of the same flags)."""
     wrapper = tmp_path / "kill_rank1.py"
     wrapper.write_text(KILL_AFTER_EPOCH_1.format(root=ROOT))
-    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    killed = tmp_path / "killed"
     proc = subprocess.run([*tool("torchrun"), "--nproc_per_node", "2", "--max-restarts", "1",
                            "--master_port", str(free_port()), str(wrapper),
                            *tiny_args(killed, epochs=3, resume="auto")],
                           cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
     check_ok(proc)
     assert "resumed after epoch 1" in proc.stdout + proc.stderr, proc.stderr[-3000:]
-    check_ok(run("pytorch_DDP.py", tiny_args(whole, epochs=3), nproc=2, launcher="torchrun"))
+    (whole,) = runs
+    check_ok(whole.proc)
     (row,) = rows(killed / "summary.csv")
-    (ref,) = rows(whole / "summary.csv")
+    ref = whole.row
     assert row["status"] == "ok" and row["resumed"] == "True" and row["restarts"] == "1", row
     for key in ("train_loss", "train_accuracy", "test_accuracy", "test_samples", "steps"):
         assert row[key] == ref[key], (key, row[key], ref[key])

@@ -85,6 +85,26 @@ def test_window_that_never_opens_reports_nothing():
     assert w.close() == {"recorded": 0, "notes": None} and rec.events == []
 
 
+class FakeClock:
+    """Stands for the `time` module of the code under test (install() puts it there): its perf_counter reads
+    a clock that only the test moves, with sleep(). A duration is then the one the test gave, on a slow or a
+    loaded host alike, and what the code computes from it can be asserted exactly."""
+
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def perf_counter(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+    def install(self, monkeypatch, *modules) -> "FakeClock":
+        for module in modules:
+            monkeypatch.setattr(module, "time", self)
+        return self
+
+
 class TinyNet(nn.Module):
     def __init__(self):
         super().__init__()
