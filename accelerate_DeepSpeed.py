@@ -68,7 +68,7 @@ def main(cfg):
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)  # sharded by torch.distributed
 
     model = build_model(cfg).to(device)
-    optimizer = build_optimizer(cfg, model.parameters())
+    optimizer = build_optimizer(cfg, model.parameters(), fused=False)  # ZeRO's flat partitions: pytorch_DeepSpeed.py
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
     # the DeepSpeed engine owns loss scaling, clipping, the step and zero_grad; the scheduler stays ours
     model, optimizer = accelerator.prepare(model, optimizer)

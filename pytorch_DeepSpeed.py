@@ -71,7 +71,9 @@ def main(cfg):
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)
 
     model = build_model(cfg).to(device)
-    optimizer = build_optimizer(cfg, model.parameters())
+    # foreach: ZeRO steps it on one flat partition per group (nothing for a fused kernel to gather), and on the
+    # host where the JSON offloads it; DeepSpeed's own overflow check syncs either way (stage_1_and_2.py)
+    optimizer = build_optimizer(cfg, model.parameters(), fused=False)
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch(cfg, train_loader))
     # the engine owns loss scaling (fp16), clipping, the optimizer step, zero_grad and scheduler.step
     engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,

@@ -109,6 +109,8 @@ def _load(path: str):
 class Checkpointer:
     """Plain model/optimizer state_dicts written by rank 0 (single device, DataParallel, DDP)."""
 
+    final_reads_every_rank = False  # the final weights need the shards every rank wrote (fit checks --save-dir)
+
     def __init__(self, cfg: TrainConfig, script: str, model, optimizer, scheduler=None, scaler=None,
                  train_loader=None):
         self.root = os.path.join(cfg.save_dir, os.path.splitext(os.path.basename(script))[0], "resume")
@@ -245,6 +247,8 @@ class DCPCheckpointer(Checkpointer):
 
 class DeepSpeedCheckpointer(Checkpointer):
     """DeepSpeed's own save_checkpoint/load_checkpoint (engine, ZeRO shards, its loss scaler, the scheduler)."""
+
+    final_reads_every_rank = True  # pytorch_DeepSpeed.py: rank 0 consolidates every rank's ZeRO shards
 
     def save_native(self, folder: str) -> None:
         self.model.save_checkpoint(folder, tag="state")

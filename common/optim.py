@@ -32,11 +32,12 @@ def build_optimizer(cfg: TrainConfig, params, fused: bool | None = None) -> torc
     (torch/optim/sgd.py and adamw.py: `if fused: self._step_supports_amp_scaling = True`), so GradScaler.step
     hands it both and calls its step directly (torch/amp/grad_scaler.py step); a foreach optimizer is
     stepped through _maybe_opt_step, whose `v.item()` on found_inf waits for the device every step.
-    fused=False where the parameters become DTensors after this (accelerate's FSDP2 prepare). ZeRO-Offload
-    steps on the host: left out too (DeepSpeed's --offload)."""
+    fused=False where the parameters become DTensors after this (accelerate's FSDP2 prepare) and where
+    DeepSpeed's ZeRO steps it (the DeepSpeed scripts: flat partitions, offloaded to the host by --offload or
+    by the JSON)."""
     params = [dict(g, params=list(g["params"])) if isinstance(g, dict) else g for g in params]
     if fused is None:
-        fused = fusable(params) and not getattr(cfg, "offload", False)
+        fused = fusable(params)
     cls, kwargs = optimizer_spec(cfg, fused)
     return cls(params, **kwargs)
 

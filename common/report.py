@@ -106,15 +106,17 @@ def replace_block(text: str, name: str, content: str) -> str:
 REFERENCE_SOURCE = "seed 000/001"  # results/reference.csv rows of the reference experiment (seeds README)
 REFERENCE_SETUP = {"model": "resnet50", "image_size": 224.0, "global_batch_size": 128.0}
 CAMPAIGNS = os.path.join(PROJECT_ROOT, "results", "campaigns")
-# results/REPORT.md, the committed sample, is this campaign's report (a test holds it to what `report` writes)
+# results/sample/REPORT.md, the committed sample, is this campaign's report (a test holds it to what `report`
+# writes); results/REPORT.md is the user's own, which every matrix run rewrites
 REPORT_SAMPLE = "results/campaigns/2026-11-26_h100_throughput/summary.csv"
-SAMPLE_COMMAND = f"python benchmark.py report --results {REPORT_SAMPLE} --report results/REPORT.md"
+SAMPLE_COMMAND = f"python benchmark.py report --results {REPORT_SAMPLE} --report results/sample/REPORT.md"
 EPOCH_IMAGES = 5 * 50_000  # the articles' 5 epochs of CIFAR10's training set
 
 
 def load_campaigns(campaigns_dir: str = CAMPAIGNS) -> pd.DataFrame:
     """Every row of the campaign folders (`summary.csv`, and `rows.csv` where the raw rows were not kept and
-    the lease's notes were transcribed under the same column names), with its folder in `campaign`."""
+    the lease's notes were transcribed under the same column names: a transcribed row without a status is
+    taken as ok), with its folder in `campaign`."""
     frames = []
     for name in sorted(os.listdir(campaigns_dir)) if os.path.isdir(campaigns_dir) else []:
         for file in ("summary.csv", "rows.csv"):
@@ -130,15 +132,24 @@ def load_campaigns(campaigns_dir: str = CAMPAIGNS) -> pd.DataFrame:
     return df
 
 
-def _campaign_row(df: pd.DataFrame, script: str):
-    """The newest GPU campaign's row of `script` at the articles' setup, its default run first (a named
-    run such as TF32 or a faster layout is not the articles' configuration)."""
-    ok = df[(df.script == script) & (df.status.fillna("ok") == "ok") & (df.device == "cuda")]
+def _gpu_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The ok GPU rows at the articles' setup, oldest first by their timestamp (a row without one, first), of
+    one GPU: the newest row's. Setting one GPU's step beside another's would compare the cards."""
+    ok = df[(df.status.fillna("ok") == "ok") & (df.device == "cuda")]
     for key, value in REFERENCE_SETUP.items():
         ok = ok[ok[key] == value]
+    ok = ok.assign(when=pd.to_datetime(ok.timestamp, utc=True, errors="coerce"))
+    ok = ok.sort_values("when", kind="stable", na_position="first")
+    return ok[ok.device_name == ok.device_name.iloc[-1]] if len(ok) else ok
+
+
+def _campaign_row(rows: pd.DataFrame, script: str):
+    """The newest campaign's row of `script` among the GPU rows, its default run first (a named run such as
+    TF32 or a faster layout is not the articles' configuration)."""
+    ok = rows[rows.script == script]
     if not len(ok):
         return None
-    newest = ok[ok.campaign == ok.campaign.max()]
+    newest = ok[ok.campaign == ok.campaign.iloc[-1]]
     default = newest[newest.run_name.fillna("").str.endswith("/" + script[:-3]) & (newest.tf32.astype(str) != "True")]
     return (default if len(default) else newest).iloc[-1]
 
@@ -147,7 +158,7 @@ def _provenance(rows: list) -> list[str]:
     lines = []
     for name in dict.fromkeys(r.campaign for r in rows):
         r = next(r for r in rows if r.campaign == name)
-        parts = [r.device_name] + [f"{label} {r[c]}" for label, c in (("driver", "driver_version"), (
+        parts = [str(r.device_name)] + [f"{label} {r[c]}" for label, c in (("driver", "driver_version"), (
             "CUDA", "cuda_version"), ("torch", "torch_version")) if isinstance(r[c], str) and r[c]]
         lines.append(f"- [{name}](results/campaigns/{name}/): " + ", ".join(parts))
     return lines
@@ -159,10 +170,10 @@ def figures_table(campaigns_dir: str, reference_csv: str) -> str:
     CPU rows are never set beside them."""
     ref = pd.read_csv(reference_csv, dtype=str).fillna("")
     ref = ref[ref.source.str.startswith(REFERENCE_SOURCE) & ref.script.ne("") & ~ref.run.str.contains("batch 1")]
-    df = load_campaigns(campaigns_dir)
+    gpu = _gpu_rows(load_campaigns(campaigns_dir))
     table, used = [], []
     for _, a in ref.iterrows():
-        r = _campaign_row(df, a.script)
+        r = _campaign_row(gpu, a.script)
         rate = f"{EPOCH_IMAGES / float(a.time_s):.0f}" if a.time_s else "–"
         ours = ["not measured yet"] + ["–"] * 5 if r is None else [
             f"[{r.campaign}](results/campaigns/{r.campaign}/)", f"{_fmt(r.num_devices, 0)}x {r.device_name}",

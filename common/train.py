@@ -437,7 +437,7 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: Tr
     """Trains cfg.epochs epochs, then evaluates once. With a checkpointer, training state is saved
     after every epoch (outside the timed window) and, with --resume, restored before the first one."""
     spe, device, m = steps_per_epoch(cfg, train_loader), hooks.device, Metrics()
-    if checkpointer is not None:
+    if checkpointer is not None and (cfg.epoch_checkpoints or cfg.resume or checkpointer.final_reads_every_rank):
         check_shared_dir(cfg.save_dir)  # every rank writes and reads there: refused before training if not shared
     saved = resume(cfg, checkpointer, m)
     loader_img_s = probe_loader(train_loader, cfg, hooks)

@@ -89,17 +89,23 @@ def test_report_says_which_runs_ran_reference_kernels(tmp_path):
 
 def test_readme_figures_put_the_articles_beside_the_newest_gpu_campaign(tmp_path):
     """The README's results table: per articles' run, the newest GPU campaign's row of its script at the
-    articles' setup (the default run over a TF32 one), never a CPU row or another setup; a provenance line
-    per campaign used."""
+    articles' setup (the default run over a TF32 one), never a CPU row, another setup or another GPU than the
+    newest row's (a folder name is no clock: the rows' timestamps order them); a provenance line per
+    campaign used."""
     readme, camps = tmp_path / "README.md", tmp_path / "campaigns"
     readme.write_text("# x\n<!-- scripts:start -->\n<!-- scripts:end -->\n<!-- figures:start -->\nold\n"
                       "<!-- figures:end -->\ntail\n")
     gpu = {"status": "ok", "device": "cuda", "device_name": "GPU X", "model": "resnet50", "image_size": 224,
            "global_batch_size": 128, "num_devices": 1, "precision": "fp32", "driver_version": "580.1",
-           "torch_version": "2.11"}
+           "torch_version": "2.11", "timestamp": "2026-02-01T00:00:00+00:00"}
+    older = {**gpu, "device_name": "GPU Y", "timestamp": "2026-01-20T00:00:00+00:00"}
     for name, rows_ in {
         "2026-01-01_gpux_throughput": [{**gpu, "script": "pytorch_DDP.py", "run_name": "t/pytorch_DDP",
-                                        "step_ms_p50": 100.0, "throughput_img_s": 1280.0}],
+                                        "step_ms_p50": 100.0, "throughput_img_s": 1280.0,
+                                        "timestamp": "2026-01-01T00:00:00+00:00"}],
+        # named after the newest, measured before it, on another GPU: none of its rows is used
+        "2026-02-01_gpuy_throughput": [{**older, "script": "pytorch_SingleGPU.py", "throughput_img_s": 6666.0,
+                                        "run_name": "t/pytorch_SingleGPU"}],
         "2026-02-01_gpux_throughput": [
             {**gpu, "script": "pytorch_DDP.py", "run_name": "t/pytorch_DDP", "step_ms_p50": 90.0,
              "throughput_img_s": 1422.2, "peak_allocated_gib": 3.3},
@@ -122,13 +128,14 @@ def test_readme_figures_put_the_articles_beside_the_newest_gpu_campaign(tmp_path
     assert "| 900 |" in lines["| single GPU fp32"] and "1800" not in text
     for run in ("| FSDP", "| DataParallel"):  # another setup, a CPU row
         assert "not measured yet" in lines[run], lines[run]
-    assert "5555" not in text and "7777" not in text and "old" not in text and text.endswith("tail\n")
+    assert "5555" not in text and "7777" not in text and "6666" not in text and "GPU Y" not in text
+    assert "old" not in text and text.endswith("tail\n")
     assert "- [2026-02-01_gpux_throughput](results/campaigns/2026-02-01_gpux_throughput/): GPU X, driver 580.1, " \
            "torch 2.11" in text and "2026-01-01" not in text
 
 
 def test_the_committed_report_sample_is_what_report_writes(tmp_path):
-    """results/REPORT.md is generated from a committed campaign by the README's one command: a change to the
+    """results/sample/REPORT.md is generated from a committed campaign by the README's one command: a change to the
     report (or to the campaign) that leaves the sample stale fails here."""
     from common.report import REPORT_SAMPLE, SAMPLE_COMMAND
 
@@ -136,9 +143,10 @@ def test_the_committed_report_sample_is_what_report_writes(tmp_path):
                        os.path.join(ROOT, "results", "reference.csv"))
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert f"<!-- sample:start -->\n`{SAMPLE_COMMAND}`\n<!-- sample:end -->" in readme
-    with open(os.path.join(ROOT, "results", "REPORT.md")) as fh:
-        assert fh.read() == open(got).read(), "results/REPORT.md is stale: regenerate it with the README's command"
-    assert sorted(os.listdir(tmp_path / "charts")) == sorted(os.listdir(os.path.join(ROOT, "results", "charts")))
+    sample = os.path.join(ROOT, "results", "sample")
+    with open(os.path.join(sample, "REPORT.md")) as fh:
+        assert fh.read() == open(got).read(), "results/sample/REPORT.md is stale: run the README's command"
+    assert sorted(os.listdir(tmp_path / "charts")) == sorted(os.listdir(os.path.join(sample, "charts")))
 
 
 def test_report_of_an_empty_or_missing_csv(tmp_path):

@@ -192,6 +192,16 @@ def test_fit_checks_the_save_dir_before_resuming_or_training(monkeypatch):
     hooks = types.SimpleNamespace(device=torch.device("cpu"))
     with pytest.raises(UsageError, match="checked /nowhere"):  # before resume() reads or a batch is drawn
         train.fit(TrainConfig(save_dir="/nowhere", resume="auto"), None, [None], None, hooks, checkpointer=object())
+    # no epoch checkpoint, no resume: only rank 0's final weights, so a node-local folder is fine, unless the final
+    # weights are consolidated from every rank's shards (DeepSpeed's ZeRO)
+    from common.checkpoint import Checkpointer, DeepSpeedCheckpointer
+
+    quiet = TrainConfig(save_dir="/nowhere", epoch_checkpoints=False)
+    monkeypatch.setattr(train, "resume", lambda *a: (_ for _ in ()).throw(RuntimeError("went on to train")))
+    with pytest.raises(RuntimeError, match="went on to train"):
+        train.fit(quiet, None, [None], None, hooks, checkpointer=Checkpointer.__new__(Checkpointer))
+    with pytest.raises(UsageError, match="checked /nowhere"):
+        train.fit(quiet, None, [None], None, hooks, checkpointer=DeepSpeedCheckpointer.__new__(DeepSpeedCheckpointer))
 
 
 def test_a_loader_bound_run_says_so_in_its_row():

@@ -37,8 +37,8 @@ def test_peak_table_is_keyed_by_exact_name_and_math():
     assert gpu_peak_tflops("NVIDIA A100", "fp32") is None  # no prefix matching
 
 
-# DataParallel: one process, every GPU; pytorch_MP.py on one GPU: both halves on cuda:0, one peak (an H200 row
-# read 134 TFLOP/s, 2026-11-26)
+# DataParallel: one process, every GPU; pytorch_MP.py on one GPU: both halves on cuda:0, one peak (counted twice,
+# a one-GPU row once read twice the card's peak)
 @pytest.mark.parametrize("name, gpus, peak", [("NVIDIA Imaginary 9000", [0], None),
                                               ("NVIDIA A100-SXM4-80GB", [0, 1], 624.0), ("NVIDIA H200", [0, 0], 989.5)])
 def test_mfu_only_for_a_device_in_the_table(monkeypatch, name, gpus, peak):

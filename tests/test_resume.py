@@ -17,7 +17,9 @@ pytestmark = pytest.mark.slow
 
 def args(tmp_path, script):
     extra = {"precision": "bf16"} if "mixed" in script else {}
-    return tiny_args(tmp_path, epochs=2, **extra)  # 4 steps an epoch; killed after the first epoch's checkpoint
+    # 4 steps an epoch; killed after the first epoch's checkpoint. No communication profile and no loader probe:
+    # neither changes what is trained (a resumed group that profiles is test_reliability's restart test)
+    return tiny_args(tmp_path, epochs=2, comm_steps=0, loader_probe_batches=0, **extra)
 
 
 def start(script, argv, nproc, stderr=subprocess.PIPE, port=None):

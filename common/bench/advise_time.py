@@ -10,9 +10,9 @@ from ..measure.memory import GIB
 from ..measure.timemodel import Compute, predict_step
 from ..measure.timespec import gpu_compute_ms, link_for
 
-# the step model's median absolute error where it was checked (docs/time.md, "Checked error"): 12 strategies
-# on 2 CPU cores, resnet18, 3 launches each, 2.4-10.7% over the stored Xeon grids (results/campaigns/); a
-# value near their upper half is kept. Unchecked on GPUs
+# the step model's median absolute error where it was checked (docs/time.md, "How well it predicts"): 12
+# strategies on 2 CPU cores, resnet18, 3 launches each, 3.2-10.7% over the stored Xeon grids
+# (results/campaigns/); a value near their upper half is kept. Unchecked on GPUs
 MODEL_ERROR = 0.085
 CURVE = ("ddp", "ddp_zero", "fsdp_shard-grad-op", "fsdp_full-shard", "deepspeed_zero2", "deepspeed_zero3")
 

@@ -70,12 +70,14 @@ def _entries(spec: dict, path: str) -> list[dict]:
     return out
 
 
-def _emulated_half(spec: dict, args: dict, gpus: int) -> dict:
-    """The preset's cpu_emulated_half_args where this run's half precision would run reference kernels."""
-    extra = spec.get("cpu_emulated_half_args") or {}
+def _emulated_half(spec: dict, script: str, args: dict, gpus: int) -> dict:
+    """The preset's cpu_emulated_half_args where this run's half precision (its flag, else the script's default)
+    would run reference kernels on this machine's CPU (with --launcher slurm: the submitting host's)."""
     from ..precision import native_half_kernels
 
-    if gpus or not extra or native_half_kernels(str(args.get("precision", "fp32"))):
+    extra = spec.get("cpu_emulated_half_args") or {}
+    precision = str(args.get("precision", BY_FILE[script].precisions[0]))
+    if gpus or not extra or native_half_kernels(precision):
         return {}
     return extra
 
@@ -98,7 +100,7 @@ def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_
         names.add(name)
         args = {**spec.get("args", {}), **run.get("args", {}), **run.get("gpu_args" if gpus else "cpu_args", {}),
                 **({"save_dir": save_dir} if save_dir else {})}
-        emulated = _emulated_half(spec, args, gpus)
+        emulated = _emulated_half(spec, script, args, gpus)
         args.update(emulated)
         runs.append({"name": name, "script": script, "args": args, "nproc": processes(script, gpus),
                      "emulated_half": bool(emulated),
@@ -355,7 +357,9 @@ def run_matrix(opts) -> int:
           f"preset {opts.preset}: {len(runs)} runs on {device} (no GPU: 2 gloo processes per distributed run){times}")
     emulated = [r for r in runs if r.get("emulated_half")]
     if emulated:
-        first, kinds = emulated[0]["args"], ", ".join(sorted({str(r["args"]["precision"]) for r in emulated}))
+        first = emulated[0]["args"]
+        kinds = ", ".join(sorted({str(r["args"].get("precision", BY_FILE[r["script"]].precisions[0]))
+                                  for r in emulated}))
         print(f"this CPU has no native kernels for {kinds}: "
               f"{len(emulated)} half-precision run(s) train {first.get('model')} at {first.get('image_size')} px "
               "(the preset's cpu_emulated_half_args)")
