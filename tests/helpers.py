@@ -28,12 +28,9 @@ def half_size(precision: str) -> dict:
     (~30x slower than fp32: AVX2-only CPUs, or ONEDNN_MAX_CPU_ISA=AVX2), the default 32 px where oneDNN's
     native kernels run. There 16 px would put ResNet's layer4.0.conv1 (stride 2) on a 1x1 map, whose
     bf16 weight gradient oneDNN leaves uninitialised; the scripts refuse it (common/precision.py)."""
-    import torch
+    from common.precision import native_half_kernels  # the smoke preset's rule too (common/bench/matrix.py)
 
-    if precision == "fp32":
-        return {}
-    native = {"bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported, "fp16": torch.ops.mkldnn._is_mkldnn_fp16_supported}
-    return {} if native[precision]() else {"image_size": 16}
+    return {} if native_half_kernels(precision) else {"image_size": 16}
 
 
 _HELD: set[int] = set()  # rendezvous ports of the launchers these tests have running

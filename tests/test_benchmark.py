@@ -104,8 +104,8 @@ def test_readme_figures_put_the_articles_beside_the_newest_gpu_campaign(tmp_path
                                         "step_ms_p50": 100.0, "throughput_img_s": 1280.0,
                                         "timestamp": "2026-01-01T00:00:00+00:00"}],
         # named after the newest, measured before it, on another GPU: none of its rows is used
-        "2026-02-01_gpuy_throughput": [{**older, "script": "pytorch_SingleGPU.py", "throughput_img_s": 6666.0,
-                                        "run_name": "t/pytorch_SingleGPU"}],
+        "2026-02-01_gpuy_throughput": [{**older, "script": "pytorch_DP.py", "throughput_img_s": 6666.0,
+                                        "run_name": "t/pytorch_DP"}],
         "2026-02-01_gpux_throughput": [
             {**gpu, "script": "pytorch_DDP.py", "run_name": "t/pytorch_DDP", "step_ms_p50": 90.0,
              "throughput_img_s": 1422.2, "peak_allocated_gib": 3.3},
