@@ -7,7 +7,7 @@ The CPU twin of a small batch on a fast GPU (ResNet50 AMP at 32 images on an H10
 a step against 25.2 ms of work): workers that sleep `--wait-ms` per sample, so a batch takes batch x wait
 in a worker and the pipeline's nominal rate is workers / wait, and a one-layer model whose step takes a
 millisecond or two. fit() (common/train.py) probes the loader (common/measure/loader.py) and times the
-window; the prediction (common/measure/timepred.py) is step = max(work, batch / probed rate), its work
+window; the prediction (common/predict/timepred.py) is step = max(work, batch / probed rate), its work
 taken from the run's own measured compute and optimizer phases (a calibration written for this run, so
 that only the loader's part is predicted). Printed per round: the probed and nominal rates, the measured
 mean and median step, the prediction and its error against the mean (a round of sleeping workers lands
@@ -34,12 +34,12 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common.train as train  # noqa: E402
 from common.config import TrainConfig  # noqa: E402
-from common.measure.calibration import key  # noqa: E402
 from common.measure.fingerprint import device_name  # noqa: E402
-from common.measure.memory import Setup  # noqa: E402
 from common.measure.stepparts import StepParts  # noqa: E402
 from common.measure.steptime import StepTimes  # noqa: E402
-from common.measure.timepred import TimePrediction  # noqa: E402
+from common.predict.calibration import key  # noqa: E402
+from common.predict.memory import Setup  # noqa: E402
+from common.predict.timepred import TimePrediction  # noqa: E402
 
 
 class SleepySamples(torch.utils.data.Dataset):

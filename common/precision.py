@@ -92,7 +92,7 @@ def strided_past_input(model_name: str, image_size: int) -> list[str]:
     """Convolutions (kernel > 1) whose input is smaller than their stride in some spatial dimension, at
     this image size: e.g. ResNet's layer4.0.conv1 (3x3, stride 2) on the 1x1 map of a 16 px image.
     Found by a meta-device forward: no memory, no compute."""
-    from .measure.memory import meta_model
+    from .models import meta_model
 
     model, found = meta_model(model_name, image_size=image_size), []
 

@@ -19,7 +19,7 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from .config import PROJECT_ROOT  # noqa: E402
 from .measure.host import BUSY_PCT, describe, is_busy  # noqa: E402
-from .measure.stats import NOISY_IQR, median, summarize  # noqa: E402
+from .predict.stats import NOISY_IQR, median, summarize  # noqa: E402
 from .results import COLUMNS, read_rows  # noqa: E402
 
 NUMERIC = ["world_size", "image_size", "global_batch_size", "epochs", "steps", "train_time_s", "throughput_img_s",
@@ -303,7 +303,7 @@ def _memory_setup(r):
     """The memory model's Setup of a row (None when the row names no strategy the model knows). The
     DeepSpeed JSON is not in the row: the shipped one of the row's stage is assumed (config/zero_stage<N>_
     config.json; stage 1's sets neither overlap_comm nor the bucket, and the step model prices both)."""
-    from .measure.memory import STRATEGIES, Setup
+    from .predict.memory import STRATEGIES, Setup
 
     strategy = {"pytorch_half_precision.py": "half", "pytorch_auto_mixed_precision.py": "amp"}.get(r.script,
                                                                                                    r.strategy)
@@ -339,7 +339,7 @@ def _tp_size(r) -> int:
 def _predicted_parts(r) -> dict | None:
     """The predicted components of a row in GiB, plus `backward` (the peak beyond them): the row's own
     pred_*_gib where it has them, else rebuilt from its columns (rows of 0.3.0 and earlier)."""
-    from .measure.memory import COMPONENTS, GIB, predict
+    from .predict.memory import COMPONENTS, GIB, predict
 
     cols = {c: pd.to_numeric(r.get(f"pred_{c}_gib"), errors="coerce") for c in COMPONENTS if c != "activations"}
     cols["activations"] = pd.to_numeric(r.get("pred_activation_gib"), errors="coerce")
@@ -356,9 +356,9 @@ def _predicted_parts(r) -> dict | None:
 
 
 def _memory(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
-    """Predicted vs measured memory (common/measure/memory.py, model_state.py), and the predicted
+    """Predicted vs measured memory (common/predict/memory.py, model_state.py), and the predicted
     components per run as stacked bars with the measured peak marked."""
-    from .measure.memory import COMPONENTS
+    from .predict.memory import COMPONENTS
 
     section = latest(rows)
     section = section[(section.status == "ok") & section.pred_peak_gib.notna()]
@@ -624,7 +624,7 @@ def parameter_count(model: str) -> int | None:
 
 def _comm(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     """Measured communication beside the volume the strategy should send (common/measure/comm.py)."""
-    from .measure.comm import expected_bytes, tp_expected_bytes
+    from .predict.volume import expected_bytes, tp_expected_bytes
 
     ok = latest(rows)
     ok = ok[(ok.status == "ok") & (ok.world_size > 1)]

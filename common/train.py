@@ -56,8 +56,8 @@ from .measure.model_state import ModelState
 from .measure.probes import Probes
 from .measure.stepparts import StepParts
 from .measure.steptime import StepTimes
-from .measure.timepred import TimePrediction
 from .optim import steps_per_epoch
+from .predict.timepred import TimePrediction
 
 
 class Diverged(RuntimeError):
@@ -304,7 +304,7 @@ def step_setup(cfg: TrainConfig, setup, precision: str):
     if setup is not None:
         return setup, setup.strategy
     if running is not None and running.strategy.startswith("pp_"):
-        from .measure.memory import Setup
+        from .predict.memory import Setup
 
         return (Setup(model=cfg.model, image_size=cfg.image_size, batch_size=cfg.batch_size,
                       world_size=world_size(), precision=precision, optimizer=cfg.optimizer, strategy="single"),

@@ -167,7 +167,7 @@ def pp_bytes_per_step(model: str, image_size: int, batch: int, pieces: int = 2, 
     one receive per rank."""
     import torch
 
-    from common.measure.memory import meta_model
+    from common.models import meta_model
     from common.pipeline import plan
     from common.pipeline import split as split_pieces
 

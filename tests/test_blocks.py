@@ -98,7 +98,8 @@ def test_pretrained_vit_weights_go_to_the_run_size_with_the_embedding_interpolat
 
 def test_fsdp_units_of_a_vision_transformer_are_its_encoder_blocks():
     """The memory model gathers one EncoderBlock at a time, not the 86M-parameter model."""
-    from common.measure.memory import Setup, model_facts, predict
+    from common.models import model_facts
+    from common.predict.memory import Setup, predict
 
     shapes, units, _ = model_facts("vit_b_16", 32)
     block = sum(p.numel() for p in meta("vit_b_16", image_size=32).encoder.layers[0].parameters())

@@ -13,9 +13,10 @@ from helpers import ROOT, TINY, check_ok, clean_env, free_port, rows
 
 from common.bench.matrix import tool
 from common.config import TrainConfig
-from common.measure.comm import CommRecorder, analyze, expected_bytes
+from common.measure.comm import CommRecorder, analyze
 from common.measure.stepparts import StepParts
 from common.measure.steptime import StepTimes
+from common.predict.volume import expected_bytes
 from common.train import TrainHooks, build_instruments
 
 RESNET18_PARAMS = 11_181_642  # torchvision resnet18 with a 10-class fc
@@ -78,8 +79,8 @@ def ddp_calls_per_step(steps: int, rebuild_in_window: bool) -> float:
     counts: DDP's broadcast_buffers=True before every forward), plus, once, the two broadcasts of the
     rebuilt bucket order (sizes, indices) in the second iteration's forward (Reducer::sync_bucket_indices),
     which it leaves out."""
-    from common.measure.memory import Setup
-    from common.measure.timemodel import Compute, Link, predict_step
+    from common.predict.memory import Setup
+    from common.predict.timemodel import Compute, Link, predict_step
 
     ddp = Setup(model="resnet18", image_size=32, batch_size=16, world_size=2, strategy="ddp")
     calls = predict_step(ddp, Compute(10.0, 20.0, 5.0), Link(), overlap=False).calls
@@ -185,8 +186,8 @@ def test_zero3_rows_count_the_collectives_the_model_prices(runs):
     its 11.4M), one bucket of gradients reduce-scattered, the norm's all-reduce, and each of the 50 weights
     under stage3_param_persistence_threshold gathered in a call of its own after the step (stage3.py
     _post_step): 50 calls, not one."""
-    from common.measure.memory import Setup
-    from common.measure.timemodel import Compute, Link, predict_step
+    from common.predict.memory import Setup
+    from common.predict.timemodel import Compute, Link, predict_step
 
     r = runs[0].row
     assert r["strategy"] == "deepspeed_zero3", r["strategy"]

@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers import spawn_ranks
 
-from common.measure import stats
 from common.measure.steptime import StepTimes
+from common.predict import stats
 
 SKEWED = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 100.0]
 
@@ -107,8 +107,9 @@ def test_only_global_rank_0_counts_and_predicts_what_only_its_row_shows(monkeypa
     """The FLOP count, the memory walk and the step prediction are the row's, which global rank 0 writes:
     any other rank skips them (0.3-0.9 s each of a CPU the ranks may share, every launch)."""
     from common.config import TrainConfig
-    from common.measure import flops, model_state, timepred
-    from common.measure.memory import Setup
+    from common.measure import flops, model_state
+    from common.predict import timepred
+    from common.predict.memory import Setup
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")  # no CPU probe
     setup = Setup(model="resnet18", image_size=32, batch_size=4, world_size=1, strategy="single")

@@ -1,4 +1,4 @@
-"""The memory model (common/measure/memory.py) against what runs really hold, and `benchmark.py advise`.
+"""The memory model (common/predict/memory.py) against what runs really hold, and `benchmark.py advise`.
 
 Model state: each run's row carries model_state_gib (unique storages of the model, optimizer and
 engine, walked after the first update) beside pred_model_state_gib. The shared runs of every script
@@ -20,8 +20,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from common.measure.memory import GIB, STRATEGIES, Setup, predict, saved_activation_bytes
 from common.models import build_model
+from common.predict.memory import GIB, STRATEGIES, Setup, predict, saved_activation_bytes
 
 
 def pred_tolerance(script: str, strategy: str) -> float:
@@ -110,7 +110,7 @@ def test_activation_prediction_against_a_real_forward(model, size, checkpointing
 def test_checkpointing_keeps_the_inputs_and_recomputes_the_largest_block():
     """activation_bytes with --grad-checkpointing: the checkpointed walk plus the largest block's own
     activations (one block recomputed at a time), far below the plain walk for a deep model."""
-    from common.measure.memory import activation_bytes
+    from common.predict.memory import activation_bytes
 
     base = dict(model="vit_b_16", image_size=32, batch_size=8)
     plain, per_block = saved_activation_bytes("vit_b_16", 32, 8)
@@ -146,7 +146,7 @@ def test_pure_half_keeps_batchnorm_in_fp32_when_asked():
     import pandas as pd
     import torchvision
 
-    from common.measure.memory import norm_numel
+    from common.models import norm_numel
     from common.report import _memory_setup
 
     model = torchvision.models.shufflenet_v2_x0_5(num_classes=10)
@@ -296,7 +296,7 @@ def test_walks_on_two_threads_leave_attention_as_it_was():
     second waits for the first, and after both the function is torch's own again."""
     import threading
 
-    from common.measure.memory import _fused_attention
+    from common.predict.memory import _fused_attention
 
     own = F.scaled_dot_product_attention
     in_a, in_b, end_a, end_b = (threading.Event() for _ in range(4))

@@ -8,8 +8,8 @@ from launches import HALF_MODEL
 
 import common.train as train
 from common.config import TrainConfig
-from common.measure.memory import GIB, predict
 from common.measure.model_state import ModelState, setup_of
+from common.predict.memory import GIB, predict
 from common.train import TrainHooks, build_instruments
 
 

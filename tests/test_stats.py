@@ -10,7 +10,7 @@ from helpers import ROOT, rows
 
 import benchmark
 from common.bench.matrix import done_rows, rounds
-from common.measure import stats
+from common.predict import stats
 from common.report import write_report
 from common.results import append_row
 

@@ -12,13 +12,13 @@ from test_comm import ev
 from test_window import FakeClock, TinyNet
 
 from common.config import TrainConfig, UsageError
-from common.measure.calibration import find_compute, find_link, fit_link, key
 from common.measure.comm import analyze
-from common.measure.memory import Setup
 from common.measure.stepparts import StepParts
 from common.measure.steptime import StepTimes
-from common.measure.timemodel import CPU_BESIDE_COST, Compute, Link, predict_step, time_shares, units
-from common.measure.timepred import TimePrediction
+from common.predict.calibration import find_compute, find_link, fit_link, key
+from common.predict.memory import Setup
+from common.predict.timemodel import CPU_BESIDE_COST, Compute, Link, predict_step, time_shares, units
+from common.predict.timepred import TimePrediction
 from common.train import TrainHooks, fit
 
 PARTS = ("step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms", "step_other_ms")
@@ -414,7 +414,7 @@ def test_each_meeting_of_the_ranks_costs_the_links_meet_ms_once():
         else:
             assert b.step_ms - a.step_ms == pytest.approx(meetings), st
     assert predict_step(setup("ddp", 1), C, met, overlap=False).step_ms == pytest.approx(66.0)
-    from common.measure.calibration import find_link
+    from common.predict.calibration import find_link
 
     links = {"2": {"all_reduce": {"latency_us": 10.0, "busbw_gbps": 1.0, "points": []}}}
     assert find_link({"links": links, "meets": {"2": 1.25}}, 2).meet_ms == 1.25
@@ -426,7 +426,7 @@ def test_ddp_broadcasts_its_buffers_before_the_forward():
     per dtype: resnet18's 9,600 BatchNorm statistics (38,400 B) and 20 int64 batch counts, exposed; a ViT
     has no buffers. DDP+ZeRO runs DDP underneath; FSDP and DeepSpeed (ZeRO-0 included: its engine
     broadcasts the weights once, at start-up) broadcast none."""
-    from common.measure.timemodel import buffer_groups
+    from common.predict.timemodel import buffer_groups
 
     assert buffer_groups("resnet18", 32) == (38400, 160) and buffer_groups("vit_b_16", 224) == ()
     fast = Link({"all_reduce": 10.0, "broadcast": 10.0}, {"all_reduce": 50.0, "broadcast": 100.0})
@@ -461,7 +461,7 @@ def test_each_pipeline_send_is_a_meeting():
                 for link in (dataclasses.replace(FAST, world=2), met))
         assert b.comm_ms - a.comm_ms == pytest.approx(8.0), sched  # 4 micro-batches, there and back
         assert 2.0 <= b.step_ms - a.step_ms <= 8.0 + 1e-9, sched  # at least the first forward's and last backward's
-    from common.measure.timemodel import _simulate_pipeline
+    from common.predict.timemodel import _simulate_pipeline
 
     one = [_simulate_pipeline("pp_gpipe", [10.0, 10.0], [10.0, 10.0], [x], 1, False)[0] for x in (0.0, 1.0)]
     assert one[1] - one[0] == pytest.approx(2.0)  # 1 micro-batch: one send each way on the path
@@ -552,7 +552,7 @@ def test_pipeline_prediction_has_the_bubble():
     backward (s=2, m=4: 5 slots); with unequal ones (the last stage the slowest) the fill and drain take
     the faster stage's time, t0 + m x t1, less than (m + s - 1) x t1. Each rank computes its own stage only
     and waits the rest: compute and optimizer are the mean over ranks, as the rows' columns."""
-    from common.measure.timemodel import _pipeline_order, _simulate_pipeline, _stage_split
+    from common.predict.timemodel import _pipeline_order, _simulate_pipeline, _stage_split
 
     for schedule in ("pp_gpipe", "pp_1f1b"):
         length, busy = _simulate_pipeline(schedule, [20.0, 20.0], [40.0, 40.0], [0.0], 4, overlap=True)
@@ -582,7 +582,7 @@ def test_a_buckets_readiness_follows_the_measured_backward_shares():
     a slow layer4+head, whose backward runs first, makes DDP's first big bucket ready later and leaves more of
     the all-reduce exposed. Another family keeps its FLOP shares; the lookup takes the nearest micro-batch
     where the exact one was not timed."""
-    from common.measure.calibration import find_pieces
+    from common.predict.calibration import find_pieces
 
     us = units("resnet18", 32)
     slow4 = [(1.0, 1.0), (1.0, 1.0), (1.0, 1.0), (1.0, 30.0)]
@@ -624,9 +624,9 @@ def test_pipeline_stages_take_the_measured_pieces_shares(tmp_path, monkeypatch):
     the pieces of its own micro-batch and threads."""
     import json
 
-    from common.measure.calibration import find_pieces
     from common.measure.fingerprint import device_name
-    from common.measure.timepred import TimePrediction
+    from common.predict.calibration import find_pieces
+    from common.predict.timepred import TimePrediction
 
     pieces = [(1.0, 2.0), (1.0, 2.0), (1.0, 2.0), (7.0, 14.0)]  # layer4 + head: 70% of forward and backward
     c = dataclasses.replace(C, opt_ms=0.0)  # the schedule alone
@@ -669,7 +669,7 @@ def test_link_interpolates_the_measured_sizes_and_extends_past_them():
     at 64, not a line); past the largest the last point plus the fitted bandwidth, below the smallest back
     along the first segment; an unmeasured kind or another group size than the points' the fitted line.
     fit_link keeps the points and find_link hands them over."""
-    from common.measure.calibration import find_link
+    from common.predict.calibration import find_link
 
     mib = 1024 ** 2
     pts = [("all_gather", s * mib, t / 1e3) for s, t in ((1, 1.0), (32, 20.5), (64, 67.5))]
@@ -713,7 +713,7 @@ def test_ddp_zero_broadcasts_take_the_points_of_its_world_size():
     for overlap, lanes in ((True, 1), (False, 2)):
         zero, ddp = (predict_step(setup(st, 4), C, flat, overlap=overlap) for st in ("ddp_zero", "ddp"))
         assert zero.comm_ms - ddp.comm_ms == pytest.approx(62 * 5.0 / lanes, abs=0.1), overlap
-    from common.measure.timemodel import _on_lanes
+    from common.predict.timemodel import _on_lanes
 
     assert _on_lanes([3.0, 1.0, 1.0, 1.0], 2) == 3.0 and _on_lanes([1.0, 2.0, 3.0], 1) == 6.0
 
@@ -896,11 +896,11 @@ def test_a_strategys_own_calibration_comes_first(tmp_path, monkeypatch):
     backward, CPU_BESIDE_COST, is set to 0 here: the entries' own compute is compared.)"""
     import json
 
-    from common.measure import timemodel
+    from common.predict import timemodel
 
     monkeypatch.setattr(timemodel, "CPU_BESIDE_COST", 0.0)
     from common.measure.fingerprint import device_name
-    from common.measure.timepred import TimePrediction
+    from common.predict.timepred import TimePrediction
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     t = torch.get_num_threads()
@@ -956,11 +956,11 @@ def test_a_rows_predicted_components_add_up_to_its_predicted_step(tmp_path, monk
     (10 ms). What the buckets take from a CPU's backward (CPU_BESIDE_COST) is set to 0: compute is the entry's."""
     import json
 
-    from common.measure import timemodel
+    from common.predict import timemodel
 
     monkeypatch.setattr(timemodel, "CPU_BESIDE_COST", 0.0)
     from common.measure.fingerprint import device_name
-    from common.measure.timepred import TimePrediction
+    from common.predict.timepred import TimePrediction
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     t = torch.get_num_threads()
@@ -1185,7 +1185,7 @@ def test_predict_again_reads_the_rows_setup_and_a_calibration(tmp_path, capsys, 
     import json
 
     from common.bench.predict import predict
-    from common.measure import timemodel
+    from common.predict import timemodel
 
     monkeypatch.setattr(timemodel, "CPU_BESIDE_COST", 0.0)
     from common.results import append_row
@@ -1532,7 +1532,7 @@ def test_a_pipeline_stage_steps_its_optimizer_while_the_others_drain():
     optimizer 30 ms: rank 1 ends its backward at 30 and steps until 60 while rank 0 runs its backward
     (30-40) and the next forward (40-50); rank 1's next forward then starts at 60: a period of 50, not
     the schedule's 40 plus the whole 30."""
-    from common.measure.timemodel import _simulate_pipeline
+    from common.predict.timemodel import _simulate_pipeline
 
     period, busy0 = _simulate_pipeline("pp_gpipe", [10.0, 10.0], [10.0, 10.0], [0.0], 1, True, [0.0, 30.0])
     assert (period, busy0) == (pytest.approx(50.0), pytest.approx(20.0))

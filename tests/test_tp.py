@@ -43,7 +43,7 @@ def test_one_rank_model_holds_its_shards():
     """The memory model's tp rank (memory.meta_model tp=2): q, k, v and mlp.0 keep half their rows,
     out_proj and mlp.3 half their columns (their biases whole: RowwiseParallel replicates them), the rest
     whole; its parameter count is what a rank of pytorch_TP.py holds."""
-    from common.measure.memory import meta_model
+    from common.models import meta_model
 
     full, local = meta_model("vit_b_16", image_size=32), meta_model("vit_b_16", image_size=32, tp=2)
     b = local.encoder.layers[0]
@@ -68,7 +68,7 @@ def test_advise_rows_for_a_vit():
     """advise on a ViT: tp over every GPU (when it divides the heads) and tp x FSDP on the 2-D mesh; the
     tp rank holds half of every split layer, so its model state is below DDP's and above full sharding's."""
     from common.bench.advise import setups
-    from common.measure.memory import predict
+    from common.predict.memory import predict
 
     opts = Namespace(model="vit_b_16", image_size=224, batch_size=128, gpus=4, precision="bf16", optimizer="adamw",
                      grad_checkpointing=False, tp=2)
@@ -99,7 +99,7 @@ def test_tp_trains_like_one_process(runs, name, world):
     from test_memory import check_model_state
     from test_scripts import load_bare
 
-    from common.measure.comm import tp_expected_bytes
+    from common.predict.volume import tp_expected_bytes
 
     one, r = runs
     check_ok(one.proc), check_ok(r.proc)
@@ -127,8 +127,8 @@ def test_the_step_model_of_tensor_parallelism():
     and waits on 4 activation all-reduces per block even where collectives overlap compute (each one's
     result is the next op's input); the optimizer steps its shards. tp x FSDP over dp adds FSDP's
     collectives, and the dp ranks split the batch."""
-    from common.measure.memory import Setup
-    from common.measure.timemodel import Compute, Link, predict_step
+    from common.predict.memory import Setup
+    from common.predict.timemodel import Compute, Link, predict_step
 
     c, link = Compute(100.0, 200.0, 30.0), Link(busbw_gbps={"all_reduce": 1.0}, latency_us={"all_reduce": 100.0})
     base = Setup(model="vit_b_16", image_size=32, batch_size=16)

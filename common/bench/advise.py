@@ -2,7 +2,7 @@
 
     python benchmark.py advise --model resnet50 --image-size 224 --batch-size 128 --gpus 4 --gpu-memory-gib 24
 
-One line per strategy: predicted GiB per GPU by component (common/measure/memory.py), the total at the
+One line per strategy: predicted GiB per GPU by component (common/predict/memory.py), the total at the
 peak, and whether it fits. Then a recommendation with its reason, the advice of the articles (DDP over
 DataParallel; mixed precision halves activations; shard only when the model state matters) and of
 FairScale's "which component should I use" flowchart (DDP while the model fits; then shard the
@@ -16,9 +16,9 @@ import argparse
 from dataclasses import replace
 
 from ..config import UsageError
-from ..measure.memory import GIB, STRATEGIES, Setup, predict
-from ..measure.timespec import LINKS
 from ..names import classification_models
+from ..predict.memory import GIB, STRATEGIES, Setup, predict
+from ..predict.timespec import LINKS
 
 HEADROOM = 0.9  # the prediction leaves out the allocator's cache, workspaces and the CUDA context
 SINGLE = ("single", "half", "amp")
@@ -38,7 +38,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", default="1", help="GPUs (ranks) to spread it over; a list (1,2,4,8) adds the predicted "
                    "scaling curve of every strategy (the tables are for the last)")
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU, GiB (default: --gpu's)")
-    t = p.add_argument_group("time (common/measure/timemodel.py): give --calibration, or --gpu with "
+    t = p.add_argument_group("time (common/predict/timemodel.py): give --calibration, or --gpu with "
                              "--interconnect or --busbw-gbps")
     t.add_argument("--calibration", default="", help="benchmark.py calibrate's file: this machine's measured inputs")
     t.add_argument("--gpu", default="", help="a GPU by its datasheet name (as torch names it), e.g. 'Tesla P40', "
@@ -54,7 +54,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def check(opts) -> None:
-    from ..measure.timespec import GPU_MEMORY_GIB, gpu_names
+    from ..predict.timespec import GPU_MEMORY_GIB, gpu_names
 
     try:
         opts.gpu_counts = [int(g) for g in str(opts.gpus).split(",") if g.strip()]
@@ -122,7 +122,7 @@ def _tp_setups(base: Setup, strategy: str, opts) -> list[Setup]:
     """pytorch_TP.py's layouts for a model it splits (a ViT): tp over every GPU; and --tp with FSDP over the
     GPUs left (the 2-D mesh) when there are some. None where tp does not divide the heads, for fp16
     (pytorch_TP.py trains in fp32 or bf16 autocast) and with --grad-checkpointing (pytorch_TP.py has none)."""
-    from ..measure.memory import meta_model
+    from ..models import meta_model
     from ..tensor_parallel import check_degree, tp_able
 
     tp = opts.gpus if strategy == "tp" else opts.tp

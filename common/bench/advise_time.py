@@ -1,14 +1,14 @@
-"""`advise`'s time tables: every strategy's predicted step (common/measure/timemodel.py), img/s and
+"""`advise`'s time tables: every strategy's predicted step (common/predict/timemodel.py), img/s and
 time per epoch, the fastest that fits, and with several --gpus the predicted strong-scaling curve."""
 from __future__ import annotations
 
 from dataclasses import replace
 
 from ..config import UsageError
-from ..measure.calibration import compute_mode, compute_of, find_link, load
-from ..measure.memory import GIB
-from ..measure.timemodel import Compute, predict_step
-from ..measure.timespec import gpu_compute_ms, link_for
+from ..predict.calibration import compute_mode, compute_of, find_link, load
+from ..predict.memory import GIB
+from ..predict.timemodel import Compute, predict_step
+from ..predict.timespec import gpu_compute_ms, link_for
 
 # the step model's median absolute error where it was checked (docs/time.md, "How well it predicts"): 12
 # strategies on 2 CPU cores, resnet18, 3 launches each, 3.2-10.7% over the stored Xeon grids
@@ -50,7 +50,7 @@ def inputs(opts, setup):
         compute = compute_of(got, 0.0, f"calibrated on {data['device_name']}")
         overlap = cuda
     if setup.world_size <= 1:
-        from ..measure.timemodel import Link
+        from ..predict.timemodel import Link
 
         return compute, Link(), overlap
     if opts.interconnect or opts.busbw_gbps:

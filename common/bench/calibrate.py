@@ -1,5 +1,5 @@
 """`python benchmark.py calibrate`: the step model's inputs measured on this machine, written to
-results/calibration.json (common/measure/calibration.py says what is in it), read by every run's
+results/calibration.json (common/predict/calibration.py says what is in it), read by every run's
 pred_step_ms and by `advise --calibration`.
 
     python benchmark.py calibrate                                  # the smoke preset's setups, 1 and 2 ranks
@@ -302,7 +302,7 @@ def _channels_last_setups(opts, preset_batch, batch: int, modes: list[str],
     takes the preset's gets calibrate's (--batch-size)."""
     import torch
 
-    from ..measure.calibration import compute_mode
+    from ..predict.calibration import compute_mode
     from ..registry import BY_FILE
     from .matrix import load_matrix
 
@@ -414,7 +414,7 @@ def _links(world: int, device: str, threads: int, max_bytes: str = "32M", repeat
     """The collectives at `world` ranks, fitted per kind, and the meeting's ms; with repeats, each (kind,
     size)'s median time over the launches (one launch of benchmarks/collectives.py can catch the machine
     in a slow spell). `taken`: launches made earlier in the calibration, counted among the repeats."""
-    from ..measure.calibration import fit_link
+    from ..predict.calibration import fit_link
 
     taken = iter(taken)
     launch = lambda: _collectives(world, device, threads, max_bytes, min_bytes, relaunch)  # noqa: E731
@@ -473,7 +473,7 @@ def _link_max(text: str, model: str, image: int) -> str:
         if _nbytes(text) < 16 * 1024:  # at least the meeting's 16 KiB all-reduce
             raise UsageError(f"--link-max-bytes {text!r}: a size of at least 16K (K, M, G suffixes), or auto")
         return text.strip()
-    from ..measure.timemodel import units
+    from ..predict.timemodel import units
 
     nbytes = 4 * sum(sum(u.params) for u in units(model, image))
     size = 32 * 1024 ** 2
@@ -500,9 +500,8 @@ def calibrate(opts) -> int:
     import torch
     import yaml
 
-    from ..measure.calibration import fingerprint, key, load, save
-    from ..measure.memory import meta_model
-    from ..models import stages
+    from ..models import meta_model, stages
+    from ..predict.calibration import fingerprint, key, load, save
 
     with open(opts.matrix) as fh:
         presets = (yaml.safe_load(fh) or {}).get("presets", {})

@@ -13,7 +13,7 @@ import csv
 import os
 
 from ..config import UsageError
-from ..measure.stats import median, ratio_ci, verdict
+from ..predict.stats import median, ratio_ci, verdict
 
 
 def samples(path: str) -> dict[tuple[str, str], list[float]]:

@@ -1,6 +1,6 @@
 """benchmark.py predict --results CSV [--calibration FILE] [--parts]: the step model again, on rows already measured.
 
-Each ok row's step is predicted anew by this checkout's step model (common/measure/timemodel.py) from
+Each ok row's step is predicted anew by this checkout's step model (common/predict/timemodel.py) from
 a calibration (default results/calibration.json), and set beside what the row measured and what it
 predicted when it ran. Two uses: a calibration taken after the runs, and a change to the model judged
 on the same measured rows, with the machine's drift between launches held out (docs/time.md,
@@ -45,7 +45,7 @@ def _num(value) -> float:
 
 def _setup(r):
     """(the step model's Setup, its strategy) of a row, or (None, why)."""
-    from ..measure.memory import Setup
+    from ..predict.memory import Setup
     from ..report import _memory_setup
 
     strategy = str(r.strategy or "")
@@ -62,7 +62,7 @@ def repredict(r, calibration: str, workers: int):
     """A row's step predicted now: (StepPrediction, '') or (None, why)."""
     import torch
 
-    from ..measure.timepred import TimePrediction
+    from ..predict.timepred import TimePrediction
 
     setup, strategy = _setup(r)
     if setup is None:
@@ -136,7 +136,7 @@ def evaluate(results: str, calibration: str, workers: int = 0) -> Evaluation:
 
 
 def predict(opts) -> int:
-    from ..measure.calibration import DEFAULT
+    from ..predict.calibration import DEFAULT
     from ..report import busy_launches, pairs_sentence
 
     if not os.path.isfile(opts.results):

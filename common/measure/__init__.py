@@ -11,14 +11,14 @@ column of its own empty says why under the key "notes" (joined into the row's no
     fingerprint.py  software and driver versions of the row
     loader.py       the input pipeline's own throughput, measured before training
     bubble.py       pipeline_bubble_pct: idle share of the devices of a split model
-    stats.py        no instrument: median, spread and bootstrap intervals over repeated launches
-    memory.py       the memory model: predicted bytes per rank by component, for every strategy
-    model_state.py  model state measured by walking tensor storages, beside the prediction
+    model_state.py  model state measured by walking tensor storages
     steptime.py     the step-time distribution (CUDA events on GPU, wall clock on CPU)
     flops.py        FLOPs per training image, achieved TFLOP/s, the device's peak and MFU
     energy.py       energy over the window (NVML on GPU, RAPL on CPU) and images per joule
     host.py         whether the run had its CPUs to itself: other work, hypervisor steal, run-queue waits
-    comm.py         every collective of the first profiled steps, and the expected volume per strategy
+    comm.py         every collective of the first profiled steps
+
+The models that predict these figures live in common/predict/.
 """
 from __future__ import annotations
 

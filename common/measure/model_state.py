@@ -1,4 +1,4 @@
-"""Model state measured beside the memory model's prediction (common/measure/memory.py).
+"""Model state measured beside the memory model's prediction (common/predict/memory.py).
 
 model_state_gib: bytes of parameters, gradients and optimizer states this rank really holds on its
     device, found by walking the unique tensor storages (deduplicated by storage address, so views
@@ -25,8 +25,8 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..distributed import global_rank, reduce_metrics, world_size
+from ..predict.memory import GIB, STRATEGIES, Setup, predict
 from . import Instrument
-from .memory import GIB, STRATEGIES, Setup, predict
 
 _WRAPPER_ATTRS = 4  # how deep the walk follows plain Python objects inside optimizer wrappers
 

@@ -56,7 +56,7 @@ def compute_mode(strategy: str, precision: str, tf32: bool = False) -> str:
 
 
 def fingerprint(device: torch.device) -> dict:
-    from .fingerprint import device_name
+    from ..measure.fingerprint import device_name
 
     return {"device_name": device_name(device), "device_type": device.type}
 
@@ -173,7 +173,7 @@ def monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def fit_link(points: list[tuple[str, int, float]], world: int) -> dict:
     """Least squares of t = latency + S x factor / busbw per collective kind, from (kind, S bytes, s), and
     the measured (S, ms) themselves, ascending (Link interpolates them)."""
-    from .comm import bus_factor
+    from ..measure.comm import bus_factor
 
     out = {}
     for kind in sorted({k for k, _, _ in points}):

@@ -91,8 +91,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .comm import bus_factor
-from .memory import DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, ITEMSIZE, Setup, meta_model
+from ..measure.comm import bus_factor
+from ..models import meta_model
+from .memory import DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, ITEMSIZE, Setup
 
 FIRST_BUCKET_BYTES = 1024 ** 2  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 BUCKET_BYTES = 25 * 1024 ** 2  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB
@@ -565,7 +566,7 @@ def _tensor_parallel(p: StepPrediction, setup: Setup, c: Compute, link: Link, ov
     compute before them and the compute after waits on them (Megatron's f and g sit on the critical
     path): exposed on every device. tp_fsdp adds FSDP2 full-shard over the dp ranks of the rank's
     shards, scheduled as fsdp_full-shard. The optimizer steps the rank's shards."""
-    from .comm import tp_layout
+    from .volume import tp_layout
 
     tp, dp, accum = setup.tp, setup.dp, setup.grad_accum
     share = forward_flops(setup.model, setup.image_size, tp) / forward_flops(setup.model, setup.image_size)

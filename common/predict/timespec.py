@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 
-from .flops import PEAK_TFLOPS, gpu_peak_tflops
+from ..measure.flops import PEAK_TFLOPS, gpu_peak_tflops
 
 # published single-GPU ResNet50 v1.5 training throughput (img/s) and the GPU and math it ran on
 PUBLISHED = {"fp32": (367.0, "Tesla V100-SXM2-16GB", "fp32"), "tf32": (938.0, "NVIDIA A100-SXM4-80GB", "tf32"),
@@ -57,7 +57,7 @@ def efficiency(kind: str) -> float:
 
 @functools.lru_cache(maxsize=32)
 def _flops_per_image(model: str, image_size: int) -> float:
-    from .flops import train_flops_per_image
+    from ..measure.flops import train_flops_per_image
 
     return train_flops_per_image(model, image_size)
 

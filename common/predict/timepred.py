@@ -1,7 +1,7 @@
 """pred_step_ms, pred_img_s, pred_time_error_pct: the step model's prediction for this run, beside
 what it measured.
 
-The prediction (common/measure/timemodel.py) takes this run's setup (strategy, world size, precision,
+The prediction (common/predict/timemodel.py) takes this run's setup (strategy, world size, precision,
 micro-batch, optimizer: the memory model's Setup, or a pipeline's schedule) and the measured inputs
 of `python benchmark.py calibrate` for this machine (--calibration, default results/calibration.json):
 one process's forward, backward and optimizer time at the run's micro-batch and compute mode (of
@@ -32,7 +32,7 @@ import os
 import torch
 
 from ..distributed import global_rank, world_size
-from . import Instrument
+from ..measure import Instrument
 from .calibration import DEFAULT, compute_mode, compute_of, find_compute, find_link, find_pieces, load
 from .timemodel import Link, predict_step
 
@@ -59,7 +59,7 @@ class TimePrediction(Instrument):
             return None, "offload is not in the step model (host transfers, CPU optimizer)"
         path = getattr(cfg, "calibration", "") or DEFAULT
         data = load(path)
-        from .fingerprint import device_name
+        from ..measure.fingerprint import device_name
 
         pp = self.strategy.startswith("pp_")
         micro = s.batch_size // cfg.microbatches if pp else s.micro_batch
@@ -88,9 +88,9 @@ class TimePrediction(Instrument):
         compute = compute_of(c, load_ms / max(1, s.grad_accum) if inline else 0.0, why)
         stages = pieces = None
         if pp:
+            from ..models import meta_model
             from ..models import stages as resnet_stages
             from ..pipeline import plan
-            from .memory import meta_model
 
             model = meta_model(s.model, image_size=s.image_size)
             if not resnet_stages(model):

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn as nn
 
+from ..models import fsdp_units, meta_model, model_facts, norm_numel  # noqa: F401  (re-exported)
+
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -116,55 +118,6 @@ class Prediction:
         out = {c: getattr(self, c) / GIB for c in COMPONENTS}
         out.update(model_state=self.model_state / GIB, peak=self.peak / GIB)
         return out
-
-
-# --- the model, without allocating it ------------------------------------------------------------
-
-def meta_model(name: str, grad_checkpointing: bool = False, image_size: int | None = None, tp: int = 1) -> nn.Module:
-    """The project's model (10-class head, its BatchNorm, optional checkpointed blocks) on the meta device,
-    built for image_size where the family fixes its input size (ViT). tp > 1: one tensor-parallel rank's
-    model (common/tensor_parallel.py): heads/tp heads and mlp_dim/tp MLP units per block, the rest whole.
-    Its parameters are the rank's local shards and its forward saves what the rank's forward saves."""
-    from ..models import build_model
-    from ..tensor_parallel import split_attention
-
-    class Cfg:  # the fields build_model reads
-        model, pretrained, channels_last = name, False, False
-
-    Cfg.grad_checkpointing = grad_checkpointing
-    Cfg.image_size = image_size
-    with torch.device("meta"):
-        model = build_model(Cfg)
-    return split_attention(model, local=tp) if tp > 1 else model
-
-
-@functools.lru_cache(maxsize=8)
-def model_facts(name: str, image_size: int | None = None,
-                tp: int = 1) -> tuple[list[torch.Size], list[list[torch.Size]], int]:
-    """(parameter shapes, FSDP units' parameter shapes, elements of conv/linear weights) of a model built for
-    image_size (a ViT's position embedding has one entry per patch); of one tensor-parallel rank for tp > 1."""
-    model = meta_model(name, image_size=image_size, tp=tp)
-    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
-    return [p.shape for p in model.parameters()], fsdp_units(model), matmul
-
-
-@functools.lru_cache(maxsize=8)
-def norm_numel(name: str) -> int:
-    """Elements of a model's BatchNorm weights and biases."""
-    return sum(p.numel() for m in meta_model(name).modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-               for p in m.parameters())
-
-
-def fsdp_units(model: nn.Module) -> list[list[torch.Size]]:
-    """The FSDP units pytorch_FSDP.py and accelerate_FSDP.py make: every block of models.blocks (ResNet's
-    BasicBlock, ViT's EncoderBlock, ...), then the root with what is left (stem, head). A model without
-    repeated blocks is one unit."""
-    from ..models import blocks
-
-    found = [b for _, b in blocks(model)]
-    inner = {id(p) for b in found for p in b.parameters()}
-    root = [p.shape for p in model.parameters() if id(p) not in inner]
-    return [[p.shape for p in b.parameters()] for b in found] + [root]
 
 
 def _numel(shape) -> int:
