@@ -98,11 +98,6 @@ class TrainConfig(EvalConfig):
     comm_steps: int = opt(3, "distributed runs: profile every collective of N steps right after the warm-up, "
                           "before the timed window opens (comm_* columns, step_comm_exposed_ms; on one CPU process "
                           "only the latter); 0 = off", min=0)
-    calibration: str = opt("", "the step model's measured inputs (benchmark.py calibrate) for the pred_step_ms "
-                           "columns; empty = results/calibration.json", hidden=True)
-    lockstep: str = opt("", "HOST:PORT:N of a TCPStore (benchmark.py calibrate sets it): before every optimizer "
-                        "step the run waits there for N-1 other single-process runs, so they step together as "
-                        "a job's ranks do; empty = off", hidden=True)
     log_every: int = opt(50, "print progress every N optimizer steps (one host sync each); 0 = never", min=0)
     max_nonfinite_steps: int = opt(5, "stop as 'diverged' after this many consecutive non-finite losses", min=1)
     target_accuracy: float = opt(0.0, "evaluate after every epoch and record time_to_target_s, the training "

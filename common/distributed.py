@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig, UsageError
+from .launching import free_port
 
 
 @dataclass
@@ -81,15 +82,6 @@ def dist_timeout(cfg) -> datetime.timedelta:
     a ZeRO-3 checkpoint of a large model on a slow shared filesystem, the other ranks wait in a barrier
     and NCCL's watchdog would abort the job after its training."""
     return datetime.timedelta(seconds=getattr(cfg, "dist_timeout_s", DEFAULT_DIST_TIMEOUT_S))
-
-
-def free_port() -> int:
-    """A TCP port free on this host right now (for a rendezvous on 127.0.0.1)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def local_rank() -> int:
@@ -302,38 +294,6 @@ def reduce_metrics(values: dict, device: torch.device, op: str = "max") -> dict:
     if reduced.device.type == "meta":  # values this process cannot read (the tests' stand-in for a GPU)
         return dict.fromkeys(values)
     return {k: (v if n > 0 else None) for k, v, n in zip(values, reduced.tolist(), present.tolist())}
-
-
-class Lockstep:
-    """N separate processes meeting before each optimizer step (--lockstep HOST:PORT:N), with no process
-    group: calibrate's concurrent one-process runs stand for a job's ranks, and a job's ranks step
-    together (their gradient collectives end at once), so a memory-bound optimizer step meets the
-    other rank's optimizer step, not its forward. Unsynchronized, two 1-thread SGD steps over resnet18
-    on 2 cores took 6.6 and 8.1 ms; in lockstep 10.3 and 10.3."""
-
-    def __init__(self, spec: str, timeout_s: float = 300.0):
-        import datetime
-
-        try:
-            host, port, n = spec.rsplit(":", 2)
-            self.n = int(n)
-            if self.n < 1:
-                raise ValueError("N must be at least 1")
-            self.store = dist.TCPStore(host, int(port), is_master=False,
-                                       timeout=datetime.timedelta(seconds=timeout_s))
-        except (ValueError, RuntimeError) as exc:  # DistNetworkError is a RuntimeError
-            raise UsageError(f"--lockstep {spec!r}: HOST:PORT:N of a running TCPStore "
-                             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
-        self.k = 0
-
-    def wait(self) -> bool:
-        """True when this run arrived last: its wait was the barrier's own cost, nobody's skew."""
-        k, self.k = self.k, self.k + 1
-        last = self.store.add(f"arrived{k}", 1) == self.n
-        if last:
-            self.store.set(f"go{k}", "1")
-        self.store.wait([f"go{k}"])
-        return last
 
 
 def synchronize(device: torch.device) -> None:

@@ -102,7 +102,6 @@ SCRIPTS = [
            deepspeed_config="config/zero_stage2_config.json", label="ds_"),
 ]
 BY_FILE = {s.file: s for s in SCRIPTS}
-running: Script | None = None  # the entry this process runs, set by common.runner.launch (instruments read it)
 
 
 def script(file: str) -> Script:

@@ -300,35 +300,13 @@ def _main_table(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
 
 
 def _memory_setup(r):
-    """The memory model's Setup of a row (None when the row names no strategy the model knows). The
-    DeepSpeed JSON is not in the row: the shipped one of the row's stage is assumed (config/zero_stage<N>_
-    config.json; stage 1's sets neither overlap_comm nor the bucket, and the step model prices both)."""
-    from .predict.memory import STRATEGIES, Setup
+    """The memory model's Setup of a row (None when the row names no strategy the model knows), from the
+    row's setup columns (common/runsetup.py from_row)."""
+    from .predict.memory import setup_of
+    from .runsetup import from_row
 
-    strategy = {"pytorch_half_precision.py": "half", "pytorch_auto_mixed_precision.py": "amp"}.get(r.script,
-                                                                                                   r.strategy)
-    if strategy not in STRATEGIES or math.isnan(r.world_size):
-        return None
-    # the label: [amp_|pure_|mp_|ds_]<fp16|bf16>[+bn32][+ls<scale>] (pytorch_half_precision.py adds the suffixes)
-    precision, *suffixes = str(r.precision).rsplit("_", 1)[-1].split("+")
-    return Setup(model=r.model, image_size=int(r.image_size), batch_size=int(r.global_batch_size),
-                 world_size=int(r.world_size), precision=precision if precision in ("fp16", "bf16") else "fp32",
-                 optimizer=r.optimizer or "sgd", strategy=strategy, grad_accum=int(float(r.grad_accum or 1)),
-                 grad_checkpointing=str(r.grad_checkpointing) == "True", bn_fp32="bn32" in suffixes,
-                 channels_last=str(r.get("channels_last")) == "True",
-                 zero=_shipped_zero(strategy), tp=_tp_size(r))
-
-
-def _shipped_zero(strategy: str) -> dict:
-    """The zero_optimization section of the shipped DeepSpeed JSON of a DeepSpeed strategy's stage, else
-    none (only the DeepSpeed strategies read it)."""
-    import json
-
-    stage = re.fullmatch(r"(?:accelerate_)?deepspeed_zero(\d)(?:_offload)?", strategy)
-    if stage is None:
-        return {}
-    with open(os.path.join(PROJECT_ROOT, "config", f"zero_stage{stage.group(1)}_config.json")) as fh:
-        return json.load(fh).get("zero_optimization", {})
+    run = from_row(r)
+    return None if run is None else setup_of(run)
 
 
 def _tp_size(r) -> int:

@@ -24,62 +24,53 @@ CONTRACT = [
     "peak_allocated_gib", "peak_reserved_gib", "peak_nvml_gib", "gpu_util_mean", "gpu_util_peak",
     "train_loss", "test_accuracy", "test_samples", "status", "torch_version", "git_commit",
 ]
-# Headers of earlier releases, oldest first: a file with one of them is upgraded, never refused.
-HISTORY = [
-    CONTRACT + ["run_name", "device_name", "num_devices", "train_accuracy", "timed_steps", "compile_time_s",
-                "skipped_steps", "resumed", "tf32", "channels_last", "grad_checkpointing", "compile", "loader",
-                "grad_accum", "optimizer", "lr", "seed", "pretrained", "error"],
-]
-COLUMNS = CONTRACT + [
-    # what makes the row reproducible
-    "run_name", "device_name", "num_devices", "train_accuracy", "timed_steps", "compile_time_s",
-    "skipped_steps", "resumed", "restarts", "repeat", "scaling", "tf32", "channels_last", "grad_checkpointing",
-    "compile", "loader", "grad_accum", "microbatches", "tp_size", "optimizer", "lr", "seed", "pretrained",
-    "cpu_threads", "workers", "dist_timeout_s",
-    # the input pipeline, the step-time distribution, compute efficiency, energy, time to accuracy
-    "loader_img_s", "step_ms_p50", "step_ms_p90", "train_gflop_per_img", "achieved_tflops", "peak_tflops", "mfu",
-    "energy_j", "img_per_j", "target_accuracy", "time_to_target_s",
-    # memory: measured model state and the memory model's prediction
-    "model_state_gib", "pred_model_state_gib", "pred_activation_gib", "pred_peak_gib", "pred_error_pct",
-    "pred_params_gib", "pred_grads_gib", "pred_optimizer_gib", "pred_master_gib", "pred_comm_gib",
-    # communication and pipelining
-    "comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step", "busbw_gbps", "comm_overlap_pct",
-    "pipeline_bubble_pct",
-    # where a step's time went (common/measure/stepparts.py) and the step model's prediction
-    "step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms", "step_other_ms",
-    "pred_step_ms", "pred_img_s", "pred_time_error_pct",
-    "pred_data_ms", "pred_compute_ms", "pred_comm_exposed_ms", "pred_optimizer_ms",
+# The columns after the contract, by group (docs/results.md names each group's columns)
+GROUPS = {
+    # what the run was and what makes it reproducible: its setup as decided once (common/runsetup.py), its
+    # outcome beyond the contract's, the software fingerprint
+    "run": ["run_name", "device_name", "num_devices", "local_world_size", "train_accuracy", "skipped_steps",
+            "resumed", "restarts", "repeat", "scaling", "tf32", "channels_last", "grad_checkpointing", "compile",
+            "loader", "workers", "grad_accum", "microbatches", "split", "tp_size", "zero_stage", "offload",
+            "zero_config", "optimizer", "lr", "seed", "pretrained", "cpu_threads", "dist_timeout_s",
+            "target_accuracy", "cuda_version", "cudnn_version", "nccl_version", "driver_version",
+            "deepspeed_version", "accelerate_version"],
+    # the timed window: its steps, where a step's time went, the input pipeline, compute efficiency, energy
+    "time": ["timed_steps", "compile_time_s", "time_to_target_s", "loader_img_s", "step_ms_p50", "step_ms_p90",
+             "step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms",
+             "step_other_ms", "pipeline_bubble_pct", "train_gflop_per_img", "achieved_tflops", "peak_tflops", "mfu",
+             "energy_j", "img_per_j"],
+    "memory": ["model_state_gib"],  # beside the contract's peaks
+    "communication": ["comm_bytes_per_step", "comm_calls_per_step", "comm_ms_per_step", "busbw_gbps",
+                      "comm_overlap_pct"],
     # whether the run had its CPUs to itself in the window (common/measure/host.py)
-    "host_other_pct", "host_steal_pct", "cpu_wait_pct",
-    # software fingerprint
-    "cuda_version", "cudnn_version", "nccl_version", "driver_version", "deepspeed_version", "accelerate_version",
-    # why a column that should hold a figure is empty (an instrument that had nothing to measure)
-    "notes",
-    "error",
-]
-_PRED_PARTS = [f"pred_{c}_gib" for c in ("params", "grads", "optimizer", "master", "comm")]
+    "host": ["host_other_pct", "host_steal_pct", "cpu_wait_pct"],
+    # what the memory and step models predict of the run (common/predict/), computed from the row once
+    # training has ended, each beside what it predicts
+    "model": ["pred_model_state_gib", "pred_activation_gib", "pred_peak_gib", "pred_error_pct", "pred_params_gib",
+              "pred_grads_gib", "pred_optimizer_gib", "pred_master_gib", "pred_comm_gib", "pred_step_ms",
+              "pred_img_s", "pred_time_error_pct", "pred_data_ms", "pred_compute_ms", "pred_comm_exposed_ms",
+              "pred_optimizer_ms"],
+}
+# last: why a column that should hold a figure is empty (an instrument that had nothing to measure), and a
+# failure's line
+COLUMNS = CONTRACT + [c for group in GROUPS.values() for c in group] + ["notes", "error"]
 # the step model's prediction by component, beside the measured step_*_ms (they add up to pred_step_ms)
 PRED_TIME_PARTS = ["pred_data_ms", "pred_compute_ms", "pred_comm_exposed_ms", "pred_optimizer_ms"]
-HOST = ["host_other_pct", "host_steal_pct", "cpu_wait_pct"]
-_LATER = ("workers", *PRED_TIME_PARTS, *HOST, "dist_timeout_s")  # added after every header below: left out of each
-_TIME = ["step_ms_mean", "step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms",
-         "step_other_ms", "pred_step_ms", "pred_img_s", "pred_time_error_pct"]
-
-
-def _before(*left_out) -> list[str]:
-    return [c for c in COLUMNS if c not in left_out and c not in _LATER]
-
-
-HISTORY.append(_before("notes", "tp_size", *_PRED_PARTS))  # 0.3.0
-HISTORY.append(_before("tp_size", *_PRED_PARTS))  # a development header, notes alone
-HISTORY.append(_before("tp_size", *_TIME))  # 0.4.0: before the time columns
-HISTORY.append(_before("tp_size"))  # 0.5.0: before tensor parallelism
-HISTORY.append(_before())  # 0.6.0: before `workers` (the loader processes a rank had)
-HISTORY.append([c for c in COLUMNS if c not in PRED_TIME_PARTS + HOST + ["dist_timeout_s"]])  # development: workers
-HISTORY.append([c for c in COLUMNS if c not in HOST + ["dist_timeout_s"]])  # development: before the host's share
-HISTORY.append([c for c in COLUMNS if c != "dist_timeout_s"])  # 0.6.x as released: before --dist-timeout-s
+HOST = GROUPS["host"]
 # COLUMNS is this release's header; pyproject.toml's version says the same (tests/test_results.py)
-SCHEMA_VERSION = "0.7.0"
+SCHEMA_VERSION = "0.8.0"
+
+
+def _released() -> dict[str, list[str]]:
+    """{version: header} of every release (common/released_headers.txt, oldest first)."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "released_headers.txt")) as fh:
+        lines = [ln.split(" ", 1) for ln in fh.read().splitlines() if ln.strip() and not ln.startswith("#")]
+    return {version: header.split(",") for version, header in lines}
+
+
+RELEASED = _released()
+# the headers of earlier releases, oldest first: a file with one of them is upgraded, never refused
+HISTORY = [header for version, header in RELEASED.items() if version != SCHEMA_VERSION]
 
 
 def _lock(path: str) -> FileLock:

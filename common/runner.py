@@ -14,7 +14,6 @@ import warnings
 
 import torch
 
-from . import registry
 from .config import PROJECT_ROOT, TrainConfig, UsageError, parse_config
 from .distributed import (
     claim_failure_row,
@@ -79,7 +78,6 @@ def launch(main, script_file: str, cfg_cls=TrainConfig, **defaults) -> None:
     written by global rank 0 on success; on failure by the first rank that failed (see
     distributed.claim_failure_row), and by no one while torchrun will still restart the group."""
     entry = registry_entry(script_file)
-    registry.running = entry
     script, strategy = entry.file, entry.strategy
     doc = sys.modules["__main__"].__doc__ or ""
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
@@ -110,7 +108,8 @@ def launch(main, script_file: str, cfg_cls=TrainConfig, **defaults) -> None:
         code, row_extra = 1, {"status": "failed", "error": _one_line(exc)}
     try:
         if cfg is not None and write_row(code):
-            append_row(cfg.results, {**base_row(cfg, script, strategy, entry.libraries), **row_extra})
+            row = {**base_row(cfg, script, strategy, entry.libraries), **row_extra}
+            append_row(cfg.results, {**row, **predicted(entry, cfg, row, ok=code == 0)})
     except UsageError as exc:
         print(f"{script}: error: {exc}", file=sys.stderr)
         code = code or 2
@@ -118,6 +117,34 @@ def launch(main, script_file: str, cfg_cls=TrainConfig, **defaults) -> None:
         cleanup(wait_for_all=code == 0)
     if code:
         sys.exit(code)
+
+
+def predicted(entry, cfg, row: dict, ok: bool = True) -> dict:
+    """The run's setup columns (common/runsetup.py) and, for a run that ended well, what the memory and step
+    models predict of it (common/predict/), from its row: once training has ended, on the rank that writes
+    the row, outside every timed window. The step model reads the calibration beside the results file."""
+    from .predict import memory, timepred
+    from .predict.calibration import beside
+    from .runsetup import columns, resolve
+
+    try:
+        run = resolve(entry, cfg, row)
+    except (OSError, ValueError) as exc:  # a failed run's JSON may be what failed: its row still gets written
+        return {} if not ok else {"notes": _joined(row.get("notes"), f"setup: {_one_line(exc)}")}
+    out = columns(run)
+    if not ok:
+        return out
+    try:
+        out.update(memory.columns(run, row.get("peak_allocated_gib")))
+    except Exception as exc:  # a prediction must never cost the run its row
+        out["notes"] = f"pred_peak_gib: {_one_line(exc)}"
+    time = timepred.columns(run, beside(cfg.results), row.get("loader_img_s"), row.get("step_ms_p50"))
+    notes = _joined(row.get("notes"), out.pop("notes", None), time.pop("notes", None))
+    return {**out, **time, "notes": notes}
+
+
+def _joined(*notes) -> str | None:
+    return "; ".join(n for n in notes if n) or None
 
 
 def write_row(code: int) -> bool:

@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from .checkpoint import check_shared_dir
 from .config import TrainConfig
 from .distributed import (
-    Lockstep,
     all_reduce,
     barrier,
     broadcast_buffers,
@@ -57,7 +56,6 @@ from .measure.probes import Probes
 from .measure.stepparts import StepParts
 from .measure.steptime import StepTimes
 from .optim import steps_per_epoch
-from .predict.timepred import TimePrediction
 
 
 class Diverged(RuntimeError):
@@ -131,11 +129,8 @@ class TimedWindow:
     an instrument before the last warm-up step (the model-state walk runs in that step)."""
 
     def __init__(self, opens_at: int, device: torch.device, instruments: list[Instrument], time_s: float = 0.0,
-                 steps: int = 0, total_steps: int | None = None, lockstep: Lockstep | None = None):
+                 steps: int = 0, total_steps: int | None = None):
         self.opens_at, self.device, self.total_steps = opens_at, device, total_steps
-        self.lockstep, self.met = lockstep, False
-        # in the window, at the lockstep's meetings: all of them, and those this run came to last
-        self.waited_s, self.last_s, self.lasts = 0.0, 0.0, 0
         self.instruments = [i for i in instruments if not i.outside_window]
         self.parts = next((i for i in instruments if isinstance(i, StepParts)), None)
         self.before = [i for i in instruments if i.outside_window]  # not run yet in this process
@@ -187,7 +182,6 @@ class TimedWindow:
             self._open(steps_done)
 
     def after_step(self, steps_done: int) -> None:
-        self.met = False
         if self.profiling:
             for i in self.profiling:
                 i.step()
@@ -230,24 +224,6 @@ class TimedWindow:
         if self.running and self.parts is not None:
             self.parts.mark(phase)
 
-    def meet(self) -> None:
-        """Before an optimizer step, with --lockstep: the wait for the other runs is 'other' time. Once per
-        step: an engine stepped inside backward met them there, the loop's own step call then does not.
-        (Such an engine is only accelerate's DeepSpeed, which takes no --grad-accum: a step inside the
-        backward of every micro-batch would otherwise meet at the first micro-batch.) The window's wait per
-        step goes to the row's notes ("lockstep wait X ms per step"), with the mean of the meetings it came
-        to last (the barrier's own cost: "Y ms when last"): calibrate's sync_ms."""
-        if self.lockstep is not None and not self.met:
-            t = time.perf_counter()
-            last = self.lockstep.wait()
-            if self.running:
-                dt = time.perf_counter() - t
-                self.waited_s += dt
-                if last:
-                    self.last_s, self.lasts = self.last_s + dt, self.lasts + 1
-            self.mark("other")
-            self.met = True
-
     def phase(self, name: str):
         """Around a phase while the communication profiler records (before the window, or inside it when
         too few steps were left): its name in the trace."""
@@ -272,16 +248,13 @@ class TimedWindow:
             cols = i.row()
             notes += [cols.pop("notes")] if cols.get("notes") else []
             row.update(cols)
-        if self.lockstep is not None and self.steps:  # calibrate reads it (common/bench/calibrate.py _sync_ms)
-            last = f", {1e3 * self.last_s / self.lasts:.3f} ms when last" if self.lasts else ""
-            notes.append(f"lockstep wait {1e3 * self.waited_s / self.steps:.3f} ms per step{last}")
         return {**row, "notes": "; ".join(notes) or None}
 
 
-def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: Metrics,
-                      loader_img_s: float | None = None) -> list[Instrument]:
+def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: Metrics) -> list[Instrument]:
     """Everything measured over the timed window (common/measure/). Built before the window opens:
-    the FLOP count and the CPU matmul probe happen here, outside it."""
+    the FLOP count and the CPU matmul probe happen here, outside it. What the models predict of the run
+    is computed from its row once training has ended (common/runner.py), not here."""
     devices = hooks.probe_devices or [hooks.device]
     precision = hooks.precision or cfg.precision
     probes = Probes(devices, hooks.device)
@@ -289,27 +262,10 @@ def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: 
     profiled = cfg.comm_steps if measured else 0
     comm = [CommRecorder(cfg.comm_steps, hooks.device)] if profiled else []  # its steps precede the window
     parts = StepParts(hooks.device, comm[0] if comm else (_NoProfile() if measured else None))
-    state, times = ModelState(cfg, model, hooks.optimizer, hooks.device, probes, precision), StepTimes(hooks.device)
-    setup, strategy = step_setup(cfg, state.setup, precision)
-    return [probes, state, *comm, times, parts, TimePrediction(cfg, setup, hooks.device, times, loader_img_s, strategy),
-            Energy(devices, hooks.device, cfg.batch_size), HostShare(hooks.device),
+    state, times = ModelState(model, hooks.optimizer, hooks.device), StepTimes(hooks.device)
+    return [probes, state, *comm, times, parts, Energy(devices, hooks.device, cfg.batch_size), HostShare(hooks.device),
             Flops(cfg.model, cfg.image_size, precision, devices, hooks.device, lambda: m.throughput_img_s),
             *hooks.instruments]
-
-
-def step_setup(cfg: TrainConfig, setup, precision: str):
-    """The step model's setup and strategy: the memory model's, or a pipeline's (which it does not know)."""
-    from .registry import running
-
-    if setup is not None:
-        return setup, setup.strategy
-    if running is not None and running.strategy.startswith("pp_"):
-        from .predict.memory import Setup
-
-        return (Setup(model=cfg.model, image_size=cfg.image_size, batch_size=cfg.batch_size,
-                      world_size=world_size(), precision=precision, optimizer=cfg.optimizer, strategy="single"),
-                "pp_" + getattr(cfg, "schedule", "gpipe").replace("-", "_"))
-    return None, ""
 
 
 def communicates(device: torch.device) -> bool:
@@ -390,7 +346,6 @@ def train_epoch(cfg: TrainConfig, net: nn.Module, loader, hooks: TrainHooks, win
         window.mark("other")
         if not boundary:
             continue
-        window.meet()
         with window.phase("optimizer"):
             hooks.step()
         window.mark("optimizer")
@@ -423,7 +378,6 @@ def _time_as_optimizer(owner, window: TimedWindow) -> None:
 
     def step(*args, **kwargs):
         window.mark("compute")
-        window.meet()
         with window.phase("optimizer"):
             out = inner(*args, **kwargs)
         window.mark("optimizer")
@@ -445,9 +399,8 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: Tr
     if cfg.compile:
         net, m.compile_time_s = compile_model(model, train_loader, hooks, cfg.channels_last)
     opens_at = cfg.timing_warmup_steps if cfg.timing_warmup_steps < spe * cfg.epochs else 0
-    window = TimedWindow(opens_at, device, build_instruments(cfg, model, hooks, m, loader_img_s),
-                         *(saved["window_time"], saved["window_steps"]) if saved else (), total_steps=spe * cfg.epochs,
-                         lockstep=Lockstep(cfg.lockstep) if cfg.lockstep else None)
+    window = TimedWindow(opens_at, device, build_instruments(cfg, model, hooks, m),
+                         *(saved["window_time"], saved["window_steps"]) if saved else (), total_steps=spe * cfg.epochs)
     if hooks.step_inside_backward is not None:
         _time_as_optimizer(hooks.step_inside_backward, window)
     streak = torch.zeros((), dtype=torch.int32, device=device)

@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from common.config import to_flags  # noqa: E402
-from common.distributed import free_port  # noqa: E402
+from common.launching import free_port, launch_env  # noqa: E402
 
 TINY = {"device": "cpu", "dataset": "synthetic", "pretrained": False, "model": "resnet18", "image_size": 32,
         "epochs": 1, "batch_size": 16, "train_samples": 64, "test_samples": 37, "workers": 0, "warmup_steps": 1,
@@ -69,10 +69,8 @@ def launcher_cmd(launcher: str, nproc: int, port: int | None = None, found: dict
 
 
 def clean_env(env: dict | None = None) -> dict:
-    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        e.pop(k, None)
-    return e
+    """benchmark.py's environment of a run (common/launching.py) with one thread, and `env` on top."""
+    return {**launch_env(threads=1), **(env or {})}
 
 
 def command(script: str, args: list[str], nproc: int = 1, launcher: str = "python", port: int | None = None,

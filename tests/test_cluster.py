@@ -12,7 +12,8 @@ import torch.distributed as dist
 from helpers import ROOT, spawn_ranks
 
 from common.config import DistributedConfig, TrainConfig
-from common.distributed import free_port, init_distributed
+from common.distributed import init_distributed
+from common.launching import free_port
 
 
 def test_dist_timeout_reaches_the_process_group(monkeypatch):

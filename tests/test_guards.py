@@ -7,6 +7,7 @@ from helpers import spawn_ranks
 
 from common.measure.steptime import StepTimes
 from common.predict import stats
+from common.results import read_rows
 
 SKEWED = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 100.0]
 
@@ -33,13 +34,12 @@ def test_step_percentiles_of_known_steps():
 def _rank(rank, world, port, queue):
     import torch.distributed as dist
 
-    from common.config import TrainConfig
     from common.measure.model_state import ModelState
 
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 store=dist.TCPStore("127.0.0.1", port, world, rank == 0))
-        state = ModelState(TrainConfig(), torch.nn.Linear(2, 2), None, torch.device("cpu"))
+        state = ModelState(torch.nn.Linear(2, 2), None, torch.device("cpu"))
         state.measured = (1 + 2 * rank) * 2**30  # rank 1 holds 3 GiB, rank 0 (which writes the row) 1 GiB
         times = StepTimes(torch.device("cpu"))
         times.ms = [10.0 * (rank + 1)] * 4  # and rank 1 is the slower one
@@ -105,23 +105,25 @@ def test_ddp_buckets_of_resnet18():
 
 def test_only_global_rank_0_counts_and_predicts_what_only_its_row_shows(monkeypatch, tmp_path):
     """The FLOP count, the memory walk and the step prediction are the row's, which global rank 0 writes:
-    any other rank skips them (0.3-0.9 s each of a CPU the ranks may share, every launch)."""
-    from common.config import TrainConfig
-    from common.measure import flops, model_state
-    from common.predict import timepred
-    from common.predict.memory import Setup
+    any other rank skips them (0.3-0.9 s each of a CPU the ranks may share, every launch). The count is an
+    instrument's, the predictions the runner's once training has ended."""
+    import sys
+
+    from common import runner
+    from common.measure import flops
+    from common.train import Metrics
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")  # no CPU probe
-    setup = Setup(model="resnet18", image_size=32, batch_size=4, world_size=1, strategy="single")
     cpu, seen = torch.device("cpu"), {}
+    results = tmp_path / "summary.csv"
+    monkeypatch.setattr(sys, "argv", ["pytorch_SingleGPU.py", "--device", "cpu", "--model", "resnet18",
+                                      "--image-size", "32", "--results", str(results)])
+    monkeypatch.setattr(runner, "predicted", lambda *a, **k: seen.setdefault("predicted", []).append(rank) or {})
     for rank in (1, 0):
-        for module in (flops, model_state, timepred):
-            monkeypatch.setattr(module, "global_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(flops, "global_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(runner, "global_rank", lambda rank=rank: rank)
         count = flops.Flops("resnet18", 32, "fp32", [torch.device("cuda", 0)], cpu, lambda: 100.0)
-        state = model_state.ModelState(TrainConfig(model="resnet18", image_size=32), torch.nn.Linear(2, 2), None, cpu)
-        state.setup, state.measured = setup, 2**30
-        pred = timepred.TimePrediction(TrainConfig(calibration=str(tmp_path / "none.json")), setup, cpu, None, None,
-                                       "single")
-        seen[rank] = (count.flops_per_img, state.row()["pred_peak_gib"], pred.row().get("notes"))
-    assert seen[1] == (None, None, None)
-    assert seen[0][0] > 1e8 and seen[0][1] > 0 and "pred_step_ms" in seen[0][2]  # no calibration there: why not
+        seen[rank] = count.flops_per_img
+        runner.launch(lambda cfg: Metrics(), "pytorch_SingleGPU.py")
+    assert seen[1] is None and seen[0] > 1e8
+    assert seen["predicted"] == [0] and len(read_rows(str(results))) == 1

@@ -10,6 +10,7 @@ import pytest
 from common import registry
 from common.bench import matrix
 from common.config import DistributedConfig, EvalConfig, TrainConfig, build_parser
+from common.launching import launch_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # batch_size is both: the global training batch, and inference's throughput batch (its own field there)
@@ -82,9 +83,9 @@ def test_deepspeed_keeps_the_visible_gpus(monkeypatch, visible, gpus, expected):
 def test_every_launcher_gets_the_same_thread_rule(monkeypatch, script):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     nproc = matrix.processes(script, 0)
-    assert matrix.run_env(nproc)["OMP_NUM_THREADS"] == str(max(1, os.cpu_count() // nproc))
+    assert launch_env(nproc=nproc)["OMP_NUM_THREADS"] == str(max(1, os.cpu_count() // nproc))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert matrix.run_env(nproc)["OMP_NUM_THREADS"] == "3"  # the user's choice is kept
+    assert launch_env(nproc=nproc)["OMP_NUM_THREADS"] == "3"  # the user's choice is kept
 
 
 def test_presets_cover_every_registered_script():

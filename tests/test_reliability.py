@@ -8,7 +8,7 @@ from helpers import ROOT, check_ok, clean_env, one_line_error, rows, run, tiny_a
 
 from common import runner
 from common.bench.matrix import tool
-from common.distributed import free_port
+from common.launching import free_port
 from common.results import COLUMNS
 
 

@@ -106,16 +106,19 @@ def test_every_older_header_is_a_prefix_free_subset_of_the_current():
 
 
 def test_every_released_header_is_still_upgraded():
-    """The headers earlier versions wrote, kept literally (tests/released_headers.txt): HISTORY derives them
-    from today's COLUMNS, so a new column must be left out of each by hand; one forgotten would strand
-    that version's files."""
-    from common.results import HISTORY
+    """The headers the project's releases wrote, kept literally by version (tests/released_headers.txt): each is
+    the release's in common/released_headers.txt, every one but this release's is upgraded, and this release's is
+    COLUMNS, so a column added without a new release (or a released header edited) goes red."""
+    from common.results import HISTORY, RELEASED, SCHEMA_VERSION
 
     path = os.path.join(os.path.dirname(__file__), "released_headers.txt")
-    released = [ln.rstrip("\n").split(",") for ln in open(path) if ln.strip() and not ln.startswith("#")]
-    assert len(released) == 9  # the last: 0.6.x, before dist_timeout_s
-    for header in released:
-        assert header in HISTORY, [c for c in header if c not in COLUMNS] or header[-5:]
+    lines = [ln.rstrip("\n").split(" ", 1) for ln in open(path) if ln.strip() and not ln.startswith("#")]
+    released = {version: header.split(",") for version, header in lines}
+    assert list(released) == ["0.2.0", "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.6.1", "0.6.2", "0.7.0", "0.8.0"]
+    for version, header in released.items():
+        assert RELEASED.get(version) == header, version
+        assert header in HISTORY or (version == SCHEMA_VERSION and header == COLUMNS), version
+    assert RELEASED[SCHEMA_VERSION] == COLUMNS
 
 
 def test_the_project_version_is_the_results_schemas_release():

@@ -8,38 +8,39 @@ from launches import HALF_MODEL
 
 import common.train as train
 from common.config import TrainConfig
-from common.measure.model_state import ModelState, setup_of
-from common.predict.memory import GIB, predict
+from common.predict.memory import GIB, predict, setup_of
+from common.registry import BY_FILE
+from common.runsetup import resolve
 from common.train import TrainHooks, build_instruments
 
 
 def test_the_instruments_read_the_run_precision_not_the_flag(monkeypatch):
-    from common import registry
-
     seen = {}
     monkeypatch.setattr(train, "Flops", lambda model, size, precision, *rest: seen.setdefault("flops", precision))
-    monkeypatch.setattr(registry, "running", registry.BY_FILE["accelerate_DDP.py"])
     hooks = TrainHooks(backward=lambda loss: None, step=lambda: None, device=torch.device("cpu"), precision="bf16")
-    built = build_instruments(TrainConfig(precision="fp32", comm_steps=0), None, hooks, train.Metrics())
-    (state,) = [i for i in built if isinstance(i, ModelState)]
-    assert seen["flops"] == "bf16" and state.setup.precision == "bf16"
+    build_instruments(TrainConfig(precision="fp32", comm_steps=0), None, hooks, train.Metrics())
+    assert seen.pop("flops") == "bf16"
     hooks.precision = None  # a script whose library follows --precision
-    built = build_instruments(TrainConfig(precision="fp32", comm_steps=0), None, hooks, train.Metrics())
-    (state,) = [i for i in built if isinstance(i, ModelState)]
-    assert seen["flops"] == "bf16" and state.setup.precision == "fp32"  # setdefault: the first call's
+    build_instruments(TrainConfig(precision="fp32", comm_steps=0), None, hooks, train.Metrics())
+    assert seen["flops"] == "fp32"
 
 
-def predicted_activation(script: str, precision: str, size: int, **cfg) -> float:
-    from common import registry
+def test_the_memory_prediction_reads_the_rows_precision_not_the_flag():
+    """The runner's setup of a run is the row's: accelerate's label says what it trained in (bf16), whatever
+    --precision said (fp32)."""
+    config = TrainConfig(precision="fp32", model="resnet18", image_size=32, batch_size=16)
+    row = {"strategy": "accelerate_ddp", "precision": "bf16", "world_size": 2}
+    assert setup_of(resolve(BY_FILE["accelerate_DDP.py"], config, row)).precision == "bf16"
+    assert setup_of(resolve(BY_FILE["accelerate_DDP.py"], config, {**row, "precision": "fp32"})).precision == "fp32"
 
-    registry.running = registry.BY_FILE[script]
-    try:
-        config = TrainConfig(image_size=size, batch_size=16, model="resnet18", precision=precision)
-        config.__dict__.update(cfg)  # the DeepSpeed script's own field: its JSON
-        setup = setup_of(config, 2)
-    finally:
-        registry.running = None
-    return round(predict(setup).activations / GIB, 6)
+
+def predicted_activation(script: str, row: dict, precision: str, size: int, **cfg) -> float:
+    """The activation prediction of the run that wrote `row`, had it trained in `precision`."""
+    config = TrainConfig(image_size=size, batch_size=16, model=HALF_MODEL, precision=precision)
+    config.__dict__.update(cfg)  # the DeepSpeed script's own field: its JSON
+    label = precision if precision == "fp32" or not row["precision"].startswith("ds_") else f"ds_{precision}"
+    run = resolve(BY_FILE[script], config, {**row, "precision": label})
+    return round(predict(setup_of(run)).activations / GIB, 6)
 
 
 @pytest.mark.slow
@@ -61,6 +62,6 @@ def test_precision_set_outside_the_flag(tmp_path, script, how):
                  env=env))
     (row,) = rows(tmp_path / "summary.csv")
     assert row["precision"] in ("bf16", "ds_bf16"), row["precision"]
-    want = predicted_activation(script, "bf16", size, **extra)
-    assert float(row["pred_activation_gib"]) == want != predicted_activation(script, "fp32", size, **extra)
+    want = predicted_activation(script, row, "bf16", size, **extra)
+    assert float(row["pred_activation_gib"]) == want != predicted_activation(script, row, "fp32", size, **extra)
     assert float(row["mfu"]) == pytest.approx(float(row["achieved_tflops"]) / float(row["peak_tflops"]), rel=0.01)

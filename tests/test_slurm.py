@@ -8,7 +8,7 @@ import pytest
 from helpers import ROOT, TINY, clean_env, rows, tiny_args
 from slurm_cluster import Cluster, ClusterError, missing_tools
 
-from common.distributed import free_port
+from common.launching import free_port
 from common.registry import SCRIPTS
 
 

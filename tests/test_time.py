@@ -3,6 +3,7 @@ exposed communication by phase (comm.py), the step model (timemodel.py), its cal
 shared runs' columns."""
 import dataclasses
 import os
+import tempfile
 import types
 from contextlib import nullcontext
 
@@ -15,10 +16,10 @@ from common.config import TrainConfig, UsageError
 from common.measure.comm import analyze
 from common.measure.stepparts import StepParts
 from common.measure.steptime import StepTimes
+from common.predict import timepred
 from common.predict.calibration import find_compute, find_link, fit_link, key
 from common.predict.memory import Setup
 from common.predict.timemodel import CPU_BESIDE_COST, Compute, Link, predict_step, time_shares, units
-from common.predict.timepred import TimePrediction
 from common.train import TrainHooks, fit
 
 PARTS = ("step_data_ms", "step_compute_ms", "step_comm_exposed_ms", "step_optimizer_ms", "step_other_ms")
@@ -58,6 +59,28 @@ def fake_clock(monkeypatch) -> FakeClock:
     import common.train as train_mod
 
     return FakeClock().install(monkeypatch, train_mod, steptime_mod)
+
+
+def run_of(setup: Setup, strategy: str, where=None, device: str = "cpu", **over):
+    """The RunSetup of a run with this Setup, on this machine as a run of LOCAL_WORLD_SIZE processes (else one)
+    at torch's threads, or `where` (device name, processes, threads); `over`: its config's fields."""
+    from common.measure.fingerprint import device_name
+    from common.runsetup import RunSetup
+
+    name, procs, threads = where or (device_name(torch.device(device)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                     torch.get_num_threads())
+    return RunSetup(script="", strategy=strategy, precision=setup.precision, model=setup.model,
+                    image_size=setup.image_size, world_size=setup.world_size, local_world_size=procs, device=device,
+                    device_name=name, threads=threads, **over)
+
+
+def time_prediction(cfg, setup: Setup, device: torch.device, loader_img_s, strategy: str, where=None):
+    """The step model's prediction (common/predict/timepred.py) of a run with this config and Setup."""
+    from common.predict.calibration import load
+
+    fields = ("batch_size", "workers", "loader", "tf32", "microbatches", "split")
+    run = run_of(setup, strategy, where, device.type, **{f: getattr(cfg, f) for f in fields if hasattr(cfg, f)})
+    return timepred.predict_setup(setup, strategy, run, load(cfg.calibration), cfg.calibration, loader_img_s)
 
 
 def step_ms(data=0.0, compute=0.0, optimizer=0.0, other=0.0) -> dict:
@@ -134,32 +157,32 @@ def test_a_step_run_inside_backward_is_timed_as_the_optimizer(monkeypatch):
 
 
 def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypatch):
-    """--lockstep HOST:PORT:N (calibrate's concurrent one-process runs): the run waits before each optimizer
-    step, also one the engine takes inside backward, for a partner that arrives 100 ms late each time; every
-    step, warm-up included, finds both arrivals counted; the wait is 'other' time, never the optimizer's
-    or compute's (the phases calibrate reads). The partner arrives after the run, always: it waits for the
-    run's arrival, then moves the run's clock on by its 100 ms while the run waits."""
-    import re
+    """calibrate's harness (common/bench/lockstep.py) around an unchanged fit(): the run waits before each
+    optimizer step, also one the engine takes inside backward, for a partner that arrives 100 ms late each
+    time; every step, warm-up included, finds both arrivals counted; the wait falls in the optimizer phase,
+    never compute's, and calibrate takes the window's waits (the row's last timed_steps) off it. The partner
+    arrives after the run, always: it waits for the run's arrival, then moves the run's clock on by its
+    100 ms while the run waits."""
+    import json
     import threading
 
     from torch.distributed import TCPStore
 
-    from common.bench.calibrate import _sync_ms
-    from common.distributed import Lockstep
+    from common.bench import lockstep
+    from common.bench.calibrate import _figures, _sync_ms
 
-    clock = fake_clock(monkeypatch)
+    clock = fake_clock(monkeypatch).install(monkeypatch, lockstep)
     parts = []
     monkeypatch.setattr("common.train.build_instruments",
                         lambda cfg, model, hooks, m, *_: parts or parts.extend([StepParts(hooks.device)]) or parts)
-    monkeypatch.setattr("common.train.Lockstep", lambda spec: Lockstep(spec, timeout_s=10))  # a miss fails, not hangs
 
-    def run(inside: bool) -> dict:
+    def run(inside: bool, waits: list) -> dict:
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         spec, errors, steps = f"127.0.0.1:{store.port}:2", [], []
 
         def partner():
             try:
-                peer = Lockstep(spec, timeout_s=10)
+                peer = lockstep.Lockstep(spec, timeout_s=10)
                 for k in range(5):
                     peer.store.wait([f"arrived{k}"])  # the run is in its wait: its clock read, its arrival counted
                     clock.sleep(0.100)
@@ -181,26 +204,33 @@ def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypa
             if inside:
                 engine.step()
 
-        cfg = TrainConfig(epochs=1, timing_warmup_steps=1, log_every=0, batch_size=4, loader_probe_batches=0,
-                          lockstep=spec)
+        cfg = TrainConfig(epochs=1, timing_warmup_steps=1, log_every=0, batch_size=4, loader_probe_batches=0)
         hooks = TrainHooks(backward, (lambda: None) if inside else step, torch.device("cpu"),
                            evaluate=lambda *a, **k: (0.5, 10), step_inside_backward=engine if inside else None)
         parts.clear()
-        out = fit(cfg, ClockedNet(clock, 0.010), SlowBatches(5, 0.0, clock), None, hooks).extra
+        fit_in_lockstep = lockstep.in_step(fit, lockstep.Lockstep(spec, timeout_s=10), waits)
+        out = fit_in_lockstep(cfg, ClockedNet(clock, 0.010), SlowBatches(5, 0.0, clock), None, hooks).extra
         mate.join(timeout=10)
         assert not mate.is_alive() and not errors, errors
         assert steps == [b"2"] * 5, steps
         return out
 
     for inside in (False, True):
-        got = run(inside)
-        # the partner's 100 ms is the wait, 'other' time; the step's own 10 ms of compute and 5 of optimizer stay
+        waits = []
+        got = run(inside, waits)
+        # the partner's 100 ms is in the optimizer phase; the step's own 10 ms of compute stays compute's
         assert {k: got[k] for k in PARTS + ("step_ms_mean",)} == pytest.approx(
-            step_ms(compute=10.0, optimizer=5.0, other=100.0), abs=1e-9), got
-        # the window's wait alone, for calibrate's sync_ms, and never "when last": the partner arrives after it
-        assert re.search(r"lockstep wait ([0-9.]+) ms per step", got["notes"]).group(0) == \
-            "lockstep wait 100.000 ms per step" and "when last" not in got["notes"], got["notes"]
-        assert _sync_ms([got, got]) == 100.0  # what calibrate reads from such notes
+            step_ms(compute=10.0, optimizer=105.0), abs=1e-9), got
+        assert waits == [(pytest.approx(0.1, abs=1e-9), False)] * 5, waits  # never last: the partner comes after
+        path = os.path.join(tempfile.mkdtemp(), "waits.json")
+        with open(path, "w") as fh:
+            json.dump({"wait_s": [w for w, _ in waits], "last": [last for _, last in waits]}, fh)
+        window = lockstep.window_waits(path, 4)
+        assert window == (pytest.approx(0.1, abs=1e-9), None)
+        row = {"step_compute_ms": got["step_compute_ms"], "step_optimizer_ms": got["step_optimizer_ms"]}
+        figures, _ = _figures([row], [window])
+        assert figures["opt_ms"] == pytest.approx(5.0, abs=1e-6)  # the wait taken off the optimizer phase
+        assert _sync_ms([window, window]) == pytest.approx(100.0, abs=1e-6)  # what calibrate adds to every step
 
 
 def test_a_strategy_entry_gets_steps_for_its_profiled_collectives_on_top():
@@ -473,21 +503,24 @@ def test_calibrate_takes_the_least_lockstep_wait():
     note, gives none; the entry takes off what the separately slowest compute and optimizer already hold."""
     from common.bench import calibrate as cal
 
-    note = "pred_step_ms: no calibration; lockstep wait {} ms per step"
-    assert cal._sync_ms([{"notes": note.format(7.25)}, {"notes": note.format(1.5)}]) == 1.5
-    assert cal._sync_ms([{"notes": note.format("7.25") + ", 0.4 ms when last"},
-                         {"notes": note.format("1.5") + ", 0.6 ms when last"}]) == pytest.approx(1.0)
-    assert cal._sync_ms([{"notes": note.format(7.25)}]) == 0.0
-    assert cal._sync_ms([{"notes": note.format(7.25)}, {"notes": None}]) == 0.0
+    # each run's window: (mean wait, mean wait when it arrived last), seconds (common/bench/lockstep.py)
+    assert cal._sync_ms([(7.25e-3, None), (1.5e-3, None)]) == pytest.approx(1.5)
+    assert cal._sync_ms([(7.25e-3, 0.4e-3), (1.5e-3, 0.6e-3)]) == pytest.approx(1.0)
+    assert cal._sync_ms([(7.25e-3, None)]) == 0.0
+    assert cal._sync_ms([(7.25e-3, None), (0.0, None)]) == 0.0  # a run that left no waits (no file): none
 
 
 def test_calibrate_entry_does_not_count_the_skew_twice(monkeypatch, tmp_path):
     """Run a is slowest in compute, run b in the optimizer: max + max is 3 ms over either run's work, skew
     that the least wait (5 ms) already holds: sync_ms 2."""
+    import json
+
     from common.bench import calibrate as cal
 
-    rows = [{"status": "ok", "step_compute_ms": c, "step_optimizer_ms": o, "notes": f"lockstep wait {w} ms per step"}
-            for c, o, w in (("100", "10", "9"), ("97", "13", "5"))]
+    # the harness meets inside the optimizer phase: a row's step_optimizer_ms holds its wait (9 and 5 ms)
+    rows = [{"status": "ok", "step_compute_ms": c, "step_optimizer_ms": o, "timed_steps": "4"}
+            for c, o in (("100", "19"), ("97", "18"))]
+    waits = {"0": 9e-3, "1": 5e-3}
 
     class Done:
         returncode, pid = 0, 0
@@ -498,19 +531,23 @@ def test_calibrate_entry_does_not_count_the_skew_twice(monkeypatch, tmp_path):
     def popen(cmd, **kw):
         path = cmd[cmd.index("--results") + 1]
         open(path, "w").close()
+        if "pytorch_SingleGPU.py" in cmd[:-4] and len(cmd) > 6:  # in lockstep: the harness's waits file
+            with open(cmd[cmd.index("pytorch_SingleGPU.py") - 1], "w") as fh:
+                json.dump({"wait_s": [waits[path[-5]]] * 6, "last": [False] * 6}, fh)
         return Done()
 
     monkeypatch.setattr(cal.subprocess, "Popen", popen)
     monkeypatch.setattr("common.results.read_rows", lambda path: [rows[int(path[-5])]])
-    got, row = cal._concurrent([["a"], ["b"]], 1, "fake")
+    two = [["pytorch_SingleGPU.py"], ["pytorch_SingleGPU.py"]]
+    got, row = cal._concurrent(two, 1, "fake")
     assert got["opt_ms"] == 13.0 and got["fwd_ms"] + got["bwd_ms"] == 100.0
     assert got["sync_ms"] == pytest.approx(2.0)
     # the host's share: of runs side by side each counts the other as other work, so none of their rows
     # speaks for the draw (calibrate._quiet then takes the whole launch's); one run's row does
     rows[0].update(host_other_pct="48.0", host_steal_pct="2.0")
     rows[1].update(host_other_pct="49.0", host_steal_pct="1.0")
-    assert row["_busy_pct"] is None and cal._concurrent([["a"], ["b"]], 1, "fake")[1]["_busy_pct"] is None
-    assert cal._concurrent([["a"]], 1, "fake")[1]["_busy_pct"] == 50.0
+    assert row["_busy_pct"] is None and cal._concurrent(two, 1, "fake")[1]["_busy_pct"] is None
+    assert cal._concurrent(two[:1], 1, "fake")[1]["_busy_pct"] == 50.0
 
 
 def test_deepspeed_adds_the_gradient_norms_all_reduce():
@@ -626,7 +663,6 @@ def test_pipeline_stages_take_the_measured_pieces_shares(tmp_path, monkeypatch):
 
     from common.measure.fingerprint import device_name
     from common.predict.calibration import find_pieces
-    from common.predict.timepred import TimePrediction
 
     pieces = [(1.0, 2.0), (1.0, 2.0), (1.0, 2.0), (7.0, 14.0)]  # layer4 + head: 70% of forward and backward
     c = dataclasses.replace(C, opt_ms=0.0)  # the schedule alone
@@ -654,7 +690,7 @@ def test_pipeline_stages_take_the_measured_pieces_shares(tmp_path, monkeypatch):
 
     cfg = SimpleNamespace(calibration=str(cal), workers=2, microbatches=4, split="2,2", batch_size=16)  # PP's
     s = Setup(model="resnet18", image_size=32, batch_size=16, world_size=2, strategy="single")
-    pred, why = TimePrediction(cfg, s, torch.device("cpu"), None, None, "pp_gpipe").predict()
+    pred, why = time_prediction(cfg, s, torch.device("cpu"), None, "pp_gpipe")
     assert why is None and pred.compute_ms + pred.comm_exposed_ms == pytest.approx(12 + 4 * 48.0, rel=1e-2)
 
 
@@ -900,7 +936,6 @@ def test_a_strategys_own_calibration_comes_first(tmp_path, monkeypatch):
 
     monkeypatch.setattr(timemodel, "CPU_BESIDE_COST", 0.0)
     from common.measure.fingerprint import device_name
-    from common.predict.timepred import TimePrediction
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     t = torch.get_num_threads()
@@ -910,11 +945,11 @@ def test_a_strategys_own_calibration_comes_first(tmp_path, monkeypatch):
     cal.write_text(json.dumps({"device_name": device_name(torch.device("cpu")), "links": {"2": {"all_reduce": link}},
                                "compute": {key("resnet18", 32, 8, "fp32", "sgd", 2, t): plain,
                                            key("resnet18", 32, 8, "fp32@ddp", "sgd", 2, t): own}}))
-    cfg = TrainConfig(calibration=str(cal), workers=2)
+    cfg = types.SimpleNamespace(calibration=str(cal), workers=2)
 
     def predicted(strategy):
         setup = Setup(model="resnet18", image_size=32, batch_size=16, world_size=2, strategy=strategy)
-        pred, why = TimePrediction(cfg, setup, torch.device("cpu"), None, None, strategy).predict()
+        pred, why = time_prediction(cfg, setup, torch.device("cpu"), None, strategy)
         assert why is None, why
         return pred
 
@@ -935,9 +970,9 @@ def test_a_tf32_run_on_cuda_is_priced_from_the_tf32_entry(tmp_path):
     def predicted(device, name, threads, entries, **over):
         cal.write_text(json.dumps({"device_name": name, "device_type": device, "links": {}, "compute": entries}))
         setup = Setup(model="resnet50", image_size=224, batch_size=32, world_size=1, strategy="single")
-        cfg = TrainConfig(calibration=str(cal), workers=2, **over)
+        cfg = types.SimpleNamespace(calibration=str(cal), workers=2, **over)
         where = (name, 1, threads)
-        return TimePrediction(cfg, setup, torch.device(device), None, None, "single", where=where).predict()
+        return time_prediction(cfg, setup, torch.device(device), None, "single", where=where)
 
     both = {key("resnet50", 224, 32, "fp32", "sgd", 1, 1): fp32, key("resnet50", 224, 32, "tf32", "sgd", 1, 1): tf32}
     assert predicted("cuda", gpu, 1, both, tf32=True)[0].compute_ms == 30.0
@@ -960,7 +995,6 @@ def test_a_rows_predicted_components_add_up_to_its_predicted_step(tmp_path, monk
 
     monkeypatch.setattr(timemodel, "CPU_BESIDE_COST", 0.0)
     from common.measure.fingerprint import device_name
-    from common.predict.timepred import TimePrediction
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     t = torch.get_num_threads()
@@ -970,15 +1004,13 @@ def test_a_rows_predicted_components_add_up_to_its_predicted_step(tmp_path, monk
                                "compute": {key("resnet18", 32, 16, "fp32", "sgd", 2, t):
                                            {"fwd_ms": 10.0, "bwd_ms": 20.0, "opt_ms": 5.0}}}))
     setup = Setup(model="resnet18", image_size=32, batch_size=32, world_size=2, strategy="ddp")
-    inst = TimePrediction(TrainConfig(calibration=str(cal), workers=0, batch_size=32), setup, torch.device("cpu"),
-                          None, 3200.0, "ddp")
-    pred, _ = inst.predict()
-    row = inst.row()
+    cfg = types.SimpleNamespace(calibration=str(cal), workers=0, batch_size=32)
+    pred, _ = time_prediction(cfg, setup, torch.device("cpu"), 3200.0, "ddp")
+    row = timepred.columns(run_of(setup, "ddp", workers=0, batch_size=32), str(cal), 3200.0, None)
     parts = [row[f"pred_{p}_ms"] for p in ("data", "compute", "comm_exposed", "optimizer")]
     assert parts[:2] == [10.0, 30.0] and parts[3] == 5.0 and parts[2] == pytest.approx(pred.comm_exposed_ms, abs=1e-3)
     assert parts[2] > 25 and sum(parts) == pytest.approx(row["pred_step_ms"], abs=0.002)
-    missing = TimePrediction(TrainConfig(calibration=str(tmp_path / "none.json")), setup, torch.device("cpu"), None,
-                             None, "ddp").row()
+    missing = timepred.columns(run_of(setup, "ddp"), str(tmp_path / "none.json"), None, None)
     assert all(missing[f"pred_{p}_ms"] is None for p in ("data", "compute", "comm_exposed", "optimizer"))
     assert "pred_step_ms" in missing["notes"]
 
@@ -1004,8 +1036,8 @@ def test_loader_workers_bound_the_step_and_an_inline_loader_adds_to_it(tmp_path,
     def pred(workers, rate, accum=1, loader="torch"):
         setup = Setup(model="resnet18", image_size=32, batch_size=32 * accum, world_size=1, strategy="single",
                       grad_accum=accum)
-        cfg = TrainConfig(calibration=cal, workers=workers, batch_size=32 * accum, loader=loader)
-        got, why = TimePrediction(cfg, setup, torch.device("cpu"), None, rate, "single").predict()
+        cfg = types.SimpleNamespace(calibration=cal, workers=workers, batch_size=32 * accum, loader=loader)
+        got, why = time_prediction(cfg, setup, torch.device("cpu"), rate, "single")
         assert why is None, why
         return got
 
@@ -1085,8 +1117,7 @@ def test_a_loader_bound_run_is_predicted_from_its_probed_rate(tmp_path, monkeypa
     clock.install(monkeypatch, loader_mod)
     got = {}
 
-    def instruments(cfg, model, hooks, m, loader_img_s=None, *_):
-        got["rate"] = loader_img_s
+    def instruments(cfg, model, hooks, m, *_):
         got.setdefault("parts", [StepTimes(hooks.device), StepParts(hooks.device)])
         return got["parts"]
 
@@ -1098,14 +1129,15 @@ def test_a_loader_bound_run_is_predicted_from_its_probed_rate(tmp_path, monkeypa
     hooks = TrainHooks(lambda loss: loss.backward(), lambda: (opt.step(), opt.zero_grad()), torch.device("cpu"),
                        ctx=nullcontext(), evaluate=lambda *a, **k: (0.5, 10))
     row = fit(cfg, model, loader, None, hooks).extra
+    got["rate"] = row["loader_img_s"]  # the probe's, in the row: what the runner's prediction reads
     assert got["rate"] == pytest.approx(60.0, rel=1e-9)  # 3 workers x 4 images / 200 ms
     # 21 timed steps, 7 rounds of 200 ms: 66.667 ms a step, of it 1 ms of compute
     assert {k: row[k] for k in PARTS + ("step_ms_mean",)} == pytest.approx(
         step_ms(data=65.667, compute=1.0), abs=1e-9), row
     cal = _single_cal(tmp_path, {"fwd_ms": 0.5, "bwd_ms": 0.5, "opt_ms": 0.5}, 4)
     setup = Setup(model="resnet18", image_size=32, batch_size=4, world_size=1, strategy="single")
-    pred, why = TimePrediction(TrainConfig(calibration=cal, workers=3, batch_size=4), setup, torch.device("cpu"),
-                               None, got["rate"], "single").predict()
+    cfg = types.SimpleNamespace(calibration=cal, workers=3, batch_size=4)
+    pred, why = time_prediction(cfg, setup, torch.device("cpu"), got["rate"], "single")
     assert why is None, why
     assert pred.step_ms == pytest.approx(4 / 60.0 * 1e3, rel=1e-9) and pred.compute_ms == 1.0
     assert pred.step_ms == pytest.approx(row["step_ms_mean"], abs=5e-4)  # the row's 3 decimals
@@ -1287,8 +1319,8 @@ def test_the_step_model_does_no_worse_on_the_stored_grids(grid):
 
 @pytest.mark.parametrize("strategy, stage", [("deepspeed_zero1", 1), ("accelerate_deepspeed_zero3", 3)])
 def test_a_row_is_predicted_again_with_its_stages_shipped_deepspeed_json(strategy, stage):
-    """A row does not name its DeepSpeed JSON, and the run's own prediction read it (model_state._ds_zero):
-    `predict` and the report take the shipped one of the row's stage. ZeRO-1's sets neither overlap_comm nor
+    """A row of a release before the zero_config column does not name its DeepSpeed JSON: `predict` and the
+    report take the shipped one of the row's stage (common/runsetup.py from_row). ZeRO-1's sets neither overlap_comm nor
     the bucket; given stage 2's instead, its all-reduces were priced hidden under a GPU's backward."""
     import json
 
@@ -1429,16 +1461,21 @@ def test_calibrate_fits_the_median_collectives_of_its_repeats(monkeypatch):
 @pytest.mark.beside
 @pytest.mark.slow  # launches processes
 def test_calibrate_then_a_run_predicts_itself(tmp_path):
-    """benchmark.py calibrate (compute at 1 and 2 processes, collectives at 2 ranks) and a run that reads
-    it: pred_step_ms beside the measured step. The error is recorded, not bounded: on a shared 2-core
-    machine a 4-step run is noise; docs/time.md has the checked figures."""
+    """benchmark.py calibrate (compute at 1 and 2 processes, collectives at 2 ranks), then a run whose results
+    file has it beside: pred_step_ms in its row at once, beside the measured step; and a DDP run whose results
+    folder has none, predicted afterwards by `benchmark.py predict --calibration`. The error is recorded, not
+    bounded: on a shared 2-core machine a 4-step run is noise; docs/time.md has the checked figures."""
+    import contextlib
+    import io
     import json
     import subprocess
     import sys
 
     from helpers import ROOT, check_ok, clean_env, rows, run, tiny_args
 
-    cal, matrix = tmp_path / "cal.json", tmp_path / "m.yaml"
+    from common.bench.predict import predict
+
+    cal, matrix = tmp_path / "calibration.json", tmp_path / "m.yaml"  # beside the run's results (tiny_args)
     # and a single-device run in channels-last at its own batch: an entry of its own, at world 1 only
     matrix.write_text("presets:\n  t:\n    args: {optimizer: sgd}\n    runs: [{script: pytorch_DDP.py}, "
                       "{script: pytorch_PP.py}, {name: nhwc, script: pytorch_SingleGPU.py, "
@@ -1472,7 +1509,7 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
     assert list(data["pieces"]) == [key("resnet18", 32, 8, "fp32", "-", 1, 1)]
     assert len(pieces) == 4 and all(f > 0 and b > 0 for f, b in pieces), pieces
     # the channels-last run is priced from its own entry: an NCHW one never prices it (the key's cl)
-    check_ok(run("pytorch_SingleGPU.py", tiny_args(tmp_path, calibration=str(cal), channels_last=True, batch_size=8)))
+    check_ok(run("pytorch_SingleGPU.py", tiny_args(tmp_path, channels_last=True, batch_size=8)))
     (row,) = rows(tmp_path / "summary.csv")
     assert row["pred_step_ms"], row["notes"]
     entry = data["compute"][key("resnet18", 32, 8, "fp32", "sgd", 1, 1, channels_last=True)]
@@ -1483,6 +1520,16 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
     parts = {p: float(row[f"pred_{p}_ms"]) for p in ("data", "compute", "comm_exposed", "optimizer")}
     assert parts["compute"] > 0 and parts["optimizer"] > 0 and parts["comm_exposed"] == 0
     assert sum(parts.values()) == pytest.approx(pred, abs=0.01)
+    # no calibration beside a run's results: its row says why, and predict fills it in from the file named
+    other = tmp_path / "elsewhere"
+    check_ok(run("pytorch_DDP.py", tiny_args(other, comm_steps=0), nproc=2, launcher="torchrun"))
+    (row,) = rows(other / "summary.csv")
+    assert not row["pred_step_ms"] and "pred_step_ms: no calibration" in row["notes"], row["notes"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert predict(types.SimpleNamespace(results=str(other / "summary.csv"), calibration=str(cal), workers=0,
+                                             parts=False)) == 0
+    assert "now: median error" in out.getvalue() and "not predicted now" not in out.getvalue(), out.getvalue()
 
 
 class GpuEvent:

@@ -15,7 +15,7 @@ ranks (benchmarks/collectives.py, fitted per kind). --repeats N: N launches of e
 compute entries launched round by round (every entry once, then again), the collectives' launches spread
 over the world size's entries (its start, middle and end).
 On a CPU the compute is measured by n processes at once, each with the threads a run of n ranks gets,
-meeting before every optimizer step as the ranks of a job do (--lockstep).
+meeting before every optimizer step as the ranks of a job do (common/bench/lockstep.py).
 At n > 1 a ResNet's four one-stage pieces are also timed one after another at the data-parallel
 micro-batch (when a rank's units' gradients are ready) and with --microbatches at the pipeline's (its
 stage shares).
@@ -33,8 +33,10 @@ import sys
 import tempfile
 
 from ..config import DistributedConfig, UsageError, resolve, to_flags
+from ..launching import free_port, launch_env
 from ..measure.host import LaunchShare, busy_pct, describe, is_busy
 from ..names import classification_models
+from .lockstep import in_lockstep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODES = ("fp32", "tf32", "amp_fp16", "amp_bf16", "pure_fp16", "pure_bf16")
@@ -162,68 +164,86 @@ def _run_args(spec: dict) -> dict:
 
 
 def _concurrent(cmds: list[list[str]], threads: int, what: str) -> tuple[dict, dict]:
-    """Runs the commands at once (each with its own results and checkpoint folder); the slowest one's
-    compute and optimizer phases, split 1:2 into forward and backward as their FLOPs are, and its row."""
+    """Runs the commands at once (each with its own results and checkpoint folder), in lockstep when there are
+    several (common/bench/lockstep.py); the slowest one's compute and optimizer phases, split 1:2 into forward
+    and backward as their FLOPs are, and its row."""
     from torch.distributed import TCPStore
 
-    from ..results import read_rows
-
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    # the runs meet before every optimizer step, as a job's ranks do (common/distributed.py Lockstep)
+    env = launch_env(threads)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if len(cmds) > 1 else None
-    meet = ["--lockstep", f"127.0.0.1:{store.port}:{len(cmds)}"] if store else []
     with tempfile.TemporaryDirectory() as tmp:
         running = []
         for i, cmd in enumerate(cmds):
-            cmd = cmd + meet + ["--results", os.path.join(tmp, f"{i}.csv"), "--save-dir", os.path.join(tmp, f"ck{i}")]
+            if store is not None:
+                cmd = in_lockstep(cmd, _script_of(cmd), f"127.0.0.1:{store.port}:{len(cmds)}",
+                                  os.path.join(tmp, f"{i}.waits.json"))
+            cmd = cmd + ["--results", os.path.join(tmp, f"{i}.csv"), "--save-dir", os.path.join(tmp, f"ck{i}")]
             err = open(os.path.join(tmp, f"{i}.err"), "w")  # a file, not a pipe nobody reads while it runs
             running.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err,
                                              start_new_session=True), err))
         failed = _wait_all([proc for proc, _ in running])
-        got = []
-        for i, (proc, err) in sorted(enumerate(running), key=lambda x: x[0] != failed):  # the first to fail first
-            err.close()
-            code = proc.returncode
-            path = os.path.join(tmp, f"{i}.csv")
-            rows = read_rows(path) if os.path.exists(path) else []
-            if code or not rows or rows[-1]["status"] != "ok":
-                with open(os.path.join(tmp, f"{i}.err")) as fh:
-                    raise UsageError(f"calibration run {what} failed (exit {code}): {_error_line(fh.read())}")
-            got.append(rows[-1])
+        got = [_finished(tmp, i, proc, err, what) for i, (proc, err) in
+               sorted(enumerate(running), key=lambda x: x[0] != failed)]  # the first to fail first
+        got.sort(key=lambda g: g[0])
+        rows, waits = [g[1] for g in got], [g[2] for g in got]
+    return _figures(rows, waits)
+
+
+def _script_of(cmd: list[str]) -> str:
+    """The training script of a run's command: its first argument that is one of the top-level scripts."""
+    from ..registry import BY_FILE
+
+    return next(a for a in cmd if a in BY_FILE)
+
+
+def _finished(tmp: str, i: int, proc, err, what: str) -> tuple[int, dict, tuple]:
+    """(index, row, the window's (mean wait, mean wait when last)) of a finished run; a failed one refused."""
+    from ..results import read_rows
+    from .lockstep import window_waits
+
+    err.close()
+    path = os.path.join(tmp, f"{i}.csv")
+    rows = read_rows(path) if os.path.exists(path) else []
+    if proc.returncode or not rows or rows[-1]["status"] != "ok":
+        with open(os.path.join(tmp, f"{i}.err")) as fh:
+            raise UsageError(f"calibration run {what} failed (exit {proc.returncode}): {_error_line(fh.read())}")
+    row, waits = rows[-1], os.path.join(tmp, f"{i}.waits.json")
+    return i, row, window_waits(waits, int(float(row["timed_steps"]))) if os.path.exists(waits) else (0.0, None)
+
+
+def _figures(got: list[dict], waits: list[tuple]) -> tuple[dict, dict]:
+    """The entry's figures from its runs' rows and their lockstep waits (taken off their optimizer phases,
+    inside which the harness meets)."""
     # one run's window holds its host share; of several at once each counts the others' work as other work,
     # and _quiet takes the whole launch's share, seen from here, instead
     busy = busy_pct(got[0]) if len(got) == 1 else None
+    opts = [float(r["step_optimizer_ms"]) - 1e3 * w[0] for r, w in zip(got, waits)]
     compute = max(float(r["step_compute_ms"]) for r in got)
-    opt = max(float(r["step_optimizer_ms"]) for r in got)
+    opt = max(opts)
     # the entry's compute and optimizer are each the slowest run's: more than the slowest run's sum when
     # different runs are slowest in each, which is skew the wait would count again
-    base = compute + opt - max(float(r["step_compute_ms"]) + float(r["step_optimizer_ms"]) for r in got)
+    base = compute + opt - max(float(r["step_compute_ms"]) + o for r, o in zip(got, opts))
     # a distributed script's collectives at world size 1 (its profiled steps: common/train.py), outside
     # compute and optimizer; an n-rank prediction prices n ranks' collectives instead, a one-process one this
     own = max(float(r.get("step_comm_exposed_ms") or 0.0) for r in got)
     return {"fwd_ms": compute / 3, "bwd_ms": 2 * compute / 3, "opt_ms": opt,
-            "sync_ms": max(0.0, _sync_ms(got) - base), "own_comm_ms": own}, \
+            "sync_ms": max(0.0, _sync_ms(waits) - base), "own_comm_ms": own}, \
         {**got[0], "_busy_pct": busy}
 
 
-def _sync_ms(rows: list[dict]) -> float:
-    """What the runs' step-to-step variation adds to a synchronous step (0 for one run). Run i's work
-    between two meetings is a_i and it waits max_j(a_j) - a_i, so the mean step is E[a_i] + E[wait_i] for
-    every i and its excess over the slowest run's mean, max_i E[a_i], is min_i E[wait_i]. A meeting also
-    costs its store round trips, which a job's collective does not (its latency is the link's): that is
-    what a run waits when it arrives last, taken off (two lockstep DeepSpeed ZeRO-2 runs of 16 images at
-    64 px on 2 cores: least waits 2.8-4.1 ms of a 245 ms step; the plain model's 0.5-0.9)."""
-    import re
-
-    got = [re.search(r"lockstep wait ([0-9.]+) ms per step(?:, ([0-9.]+) ms when last)?", r.get("notes") or "")
-           for r in rows]
-    if len(rows) < 2 or not all(got):
+def _sync_ms(waits: list[tuple]) -> float:
+    """What the runs' step-to-step variation adds to a synchronous step (0 for one run), from each run's window
+    waits (mean wait, mean wait when it arrived last). Run i's work between two meetings is a_i and it waits
+    max_j(a_j) - a_i, so the mean step is E[a_i] + E[wait_i] for every i and its excess over the slowest run's
+    mean, max_i E[a_i], is min_i E[wait_i]. A meeting also costs its store round trips, which a job's
+    collective does not (its latency is the link's): that is what a run waits when it arrives last, taken off
+    (two lockstep DeepSpeed ZeRO-2 runs of 16 images at 64 px on 2 cores: least waits 2.8-4.1 ms of a 245 ms
+    step; the plain model's 0.5-0.9)."""
+    if len(waits) < 2:
         return 0.0
-    lasts = [float(m.group(2)) for m in got if m.group(2)]
+    lasts = [last for _, last in waits if last is not None]
     cost = sum(lasts) / len(lasts) if lasts else 0.0
-    return max(0.0, min(float(m.group(1)) for m in got) - cost)
+    return max(0.0, 1e3 * (min(w for w, _ in waits) - cost))
 
 
 def _wait_all(procs: list) -> int | None:
@@ -436,9 +456,9 @@ def _collectives_once(world: int, device: str, threads: int, max_bytes: str, min
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "c.json")
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        env = launch_env(threads)
         cmd = [*tool("torchrun"), "--nproc_per_node", str(world),
-               "--master_port", str(_free_port()), os.path.join(ROOT, "benchmarks", "collectives.py"),
+               "--master_port", str(free_port()), os.path.join(ROOT, "benchmarks", "collectives.py"),
                "--device", device, "--min-bytes", min_bytes, "--max-bytes", max_bytes, "--iters", "10", "--json", out,
                # a step's collectives find their buffers out of cache, and meet ranks coming from their work
                "--meet", *(["--cold"] if device == "cpu" else [])]
@@ -486,14 +506,6 @@ def _error_line(stderr: str) -> str:
     """The exception's line of a failed launch, not a launcher's warning printed after it."""
     lines = stderr.strip().splitlines() or ["?"]
     return next((x for x in reversed(lines) if "Error" in x or "Exception" in x), lines[-1]).strip()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def calibrate(opts) -> int:

@@ -22,7 +22,7 @@ import time
 import yaml
 
 from ..config import PROJECT_ROOT, DistributedConfig, UsageError, resolve, to_flags
-from ..distributed import free_port
+from ..launching import free_port, launch_env
 from ..measure.host import busy_pct, describe, is_busy
 from ..registry import BY_FILE, SCRIPTS
 from ..results import append_row, read_rows
@@ -221,18 +221,6 @@ def command(run: dict, gpus: int, results: str) -> tuple[list[str], int]:
     return launcher(script, nproc, gpus, free_port()) + [script] + args, nproc
 
 
-def run_env(nproc: int) -> dict:
-    """The environment of a run. OMP_NUM_THREADS is set explicitly, the same rule for every launcher:
-    torchrun and accelerate launch set 1 for several processes, deepspeed sets nothing, so CPU-side
-    work (dataloading in the main process, an offloaded optimizer step) would otherwise get other
-    thread counts under different launchers. A value the user exported is kept."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc))))
-    return env
-
-
 def _reader(stream, q):
     for line in iter(stream.readline, ""):
         q.put(line)
@@ -260,7 +248,7 @@ def execute(run: dict, i: int, n: int, gpus: int, results: str, log_dir: str, t0
     lines: list[str] = []
     with open(log_path, "w") as log:
         log.write(" ".join(cmd) + "\n")
-        proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=run_env(nproc), stdout=subprocess.PIPE,
+        proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=launch_env(nproc=nproc), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         q: queue.Queue = queue.Queue()
         threading.Thread(target=_reader, args=(proc.stdout, q), daemon=True).start()

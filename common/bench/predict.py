@@ -6,9 +6,10 @@ predicted when it ran. Two uses: a calibration taken after the runs, and a chang
 on the same measured rows, with the machine's drift between launches held out (docs/time.md,
 "benchmark.py predict").
 
-What the row does not hold is assumed: the shipped DeepSpeed JSONs' bucket sizes (as the report's
-memory section), a pipeline's default split, and for rows written before the `workers` column the
-loader in the training process (`--workers`, default 0 as the `time` preset). Per run: the median over
+Each row is read back into its run's setup (common/runsetup.py from_row). What rows of earlier releases do
+not hold is assumed: the shipped DeepSpeed JSON of their stage, a pipeline's default split, and for rows
+written before the `workers` column the loader in the training process (`--workers`, default 0 as the
+`time` preset). Per run: the median over
 its launches of step_ms_p50 and of each prediction; the summary counts the runs within 15% and checks
 the predicted order of every two runs whose launches' ranges do not overlap (the report's check).
 --parts adds each run's components, measured against predicted now.
@@ -19,7 +20,6 @@ import dataclasses
 import math
 import os
 import statistics
-import types
 
 from ..config import UsageError
 
@@ -43,42 +43,22 @@ def _num(value) -> float:
         return math.nan
 
 
-def _setup(r):
-    """(the step model's Setup, its strategy) of a row, or (None, why)."""
-    from ..predict.memory import Setup
-    from ..report import _memory_setup
-
-    strategy = str(r.strategy or "")
-    if strategy.startswith("pp_"):
-        half = str(r.precision).rsplit("_", 1)[-1]
-        return Setup(model=r.model, image_size=int(r.image_size), batch_size=int(r.global_batch_size),
-                     world_size=int(r.world_size), precision=half if half in ("fp16", "bf16") else "fp32",
-                     optimizer=r.optimizer or "sgd", strategy="single"), strategy
-    setup = _memory_setup(r)
-    return (setup, setup.strategy) if setup is not None else (None, f"no step model for {strategy or r.script}")
-
-
 def repredict(r, calibration: str, workers: int):
-    """A row's step predicted now: (StepPrediction, '') or (None, why)."""
-    import torch
+    """A row's step predicted now: (StepPrediction, '') or (None, why). Rows written before the `workers`
+    column ran with the loader as `workers` says."""
+    from dataclasses import replace
 
-    from ..predict.timepred import TimePrediction
+    from ..predict import timepred
+    from ..predict.calibration import load
+    from ..runsetup import from_row
 
-    setup, strategy = _setup(r)
-    if setup is None:
-        return None, strategy
-    micro = 1 if math.isnan(_num(r.microbatches)) else int(_num(r.microbatches))
-    if not math.isnan(_num(getattr(r, "workers", math.nan))):  # rows from before the column: --workers
-        workers = int(_num(r.workers))
-    # tf32 picks the TF32 entry on CUDA (timepred.compute_mode); channels_last is in the Setup (_memory_setup)
-    cfg = types.SimpleNamespace(calibration=calibration, microbatches=micro, workers=workers, loader=r.get("loader"),
-                                batch_size=int(r.global_batch_size), split="", tf32=str(r.get("tf32")) == "True")
-    cuda = str(r.device) == "cuda"
-    threads = 1 if cuda or math.isnan(_num(r.cpu_threads)) else int(_num(r.cpu_threads))
-    where = (r.device_name, 1 if cuda else int(r.world_size), threads)
+    run = from_row(r)
+    if run is None:
+        return None, f"no step model for {r.get('script')}"
+    if run.workers < 0:
+        run = replace(run, workers=workers)
     loader = None if math.isnan(_num(r.loader_img_s)) else _num(r.loader_img_s)
-    pred, why = TimePrediction(cfg, setup, torch.device("cuda" if cuda else "cpu"), None, loader, strategy,
-                               where).predict()
+    pred, why = timepred.predict(run, load(calibration), calibration, loader)
     return (pred, "") if pred is not None else (None, why)
 
 

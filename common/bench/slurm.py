@@ -18,7 +18,7 @@ import sys
 import time
 
 from ..config import PROJECT_ROOT, TrainConfig, UsageError, to_flags
-from ..distributed import free_port
+from ..launching import free_port
 from ..registry import BY_FILE
 from ..results import check_results_path, read_rows
 from .matrix import EXIT_STATUS, last_error_line, load_matrix, record_missing

@@ -1,4 +1,4 @@
-"""Model state measured beside the memory model's prediction (common/predict/memory.py).
+"""Model state measured, for the memory model's prediction beside it (common/predict/memory.py).
 
 model_state_gib: bytes of parameters, gradients and optimizer states this rank really holds on its
     device, found by walking the unique tensor storages (deduplicated by storage address, so views
@@ -11,22 +11,18 @@ model_state_gib: bytes of parameters, gradients and optimizer states this rank r
     Taken once, in the last warm-up step, right after the optimizer's update and before zero_grad (a
     global torch.optim step post-hook: gradients, weights and optimizer state all exist then), max
     over ranks; with no warm-up, in the window's first step.
-pred_model_state_gib, pred_activation_gib, pred_peak_gib: memory.predict() for this run's setup, and
-    its components pred_params_gib, pred_grads_gib, pred_optimizer_gib, pred_master_gib, pred_comm_gib.
-pred_error_pct: on CUDA, (pred_peak - peak_allocated) / peak_allocated in percent.
+The prediction's columns are the runner's, from the row once training has ended (common/runner.py).
 """
 from __future__ import annotations
-
-import json
-import os
 
 import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..distributed import global_rank, reduce_metrics, world_size
-from ..predict.memory import GIB, STRATEGIES, Setup, predict
+from ..distributed import reduce_metrics
 from . import Instrument
+
+GIB = 1024 ** 3
 
 _WRAPPER_ATTRS = 4  # how deep the walk follows plain Python objects inside optimizer wrappers
 
@@ -92,55 +88,12 @@ def model_state_bytes(model: nn.Module, optimizer, device_type: str) -> int:
     return walk.total
 
 
-def _ds_zero(cfg) -> dict:
-    from ..deepspeed_config import resolve_path
-
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or getattr(cfg, "deepspeed_config", "")
-    with open(resolve_path(path)) as fh:
-        return json.load(fh).get("zero_optimization", {})
-
-
-def setup_of(cfg, world: int, precision: str | None = None) -> Setup | None:
-    """The memory model's setup of this run, from its config, the precision the run really trains in
-    (default --precision) and the registry (None for a script the model does not know)."""
-    from ..registry import running as entry
-
-    if entry is None:
-        return None
-    strategy, zero = entry.strategy, {}
-    if entry.file == "pytorch_half_precision.py":
-        strategy = "half"
-    elif entry.file == "pytorch_auto_mixed_precision.py":
-        strategy = "amp"
-    elif strategy == "fsdp":
-        strategy = f"fsdp_{cfg.sharding}" + ("_offload" if getattr(cfg, "cpu_offload", False) else "")
-    elif strategy == "accelerate_fsdp":
-        strategy = "accelerate_fsdp"
-    elif strategy == "tp":  # pytorch_TP.py: the 2-D mesh when processes are left over the tp degree
-        strategy = "tp" if world == cfg.tp else "tp_fsdp"
-    elif entry.deepspeed_config:
-        zero = _ds_zero(cfg)
-        strategy = f"{strategy}_zero{zero.get('stage', 0)}" + ("_offload" if getattr(cfg, "offload", False) else "")
-    if strategy not in STRATEGIES or strategy.endswith("zero0"):
-        return None  # a split model (mp, pp_*) or a layout the model does not reproduce: measured only
-    precision = "fp32" if strategy == "dp" else precision or cfg.precision
-    if strategy == "dp" and torch.cuda.is_available() and str(cfg.device) != "cpu":
-        world = max(1, torch.cuda.device_count())  # one process drives every visible GPU (pytorch_DP.py)
-    return Setup(model=cfg.model, image_size=cfg.image_size, batch_size=cfg.batch_size, world_size=world,
-                 precision=precision, optimizer=cfg.optimizer, strategy=strategy, momentum=cfg.momentum,
-                 grad_accum=cfg.grad_accum, grad_checkpointing=cfg.grad_checkpointing,
-                 channels_last=cfg.channels_last, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)),
-                 zero=zero, bn_fp32=bool(getattr(cfg, "bn_fp32", False)), tp=getattr(cfg, "tp", 1))
-
-
 class ModelState(Instrument):
-    """Measured model state after the first optimizer update, and the memory model's prediction."""
+    """Measured model state after the first optimizer update."""
 
-    def __init__(self, cfg, model: nn.Module, optimizer, device: torch.device, probes=None,
-                 precision: str | None = None):
-        self.cfg, self.model, self.optimizer, self.device, self.probes = cfg, model, optimizer, device, probes
+    def __init__(self, model: nn.Module, optimizer, device: torch.device):
+        self.model, self.optimizer, self.device = model, optimizer, device
         self.measured: int | None = None
-        self.setup = setup_of(cfg, world_size(), precision)
         self._hook = None
 
     def prelude(self) -> None:
@@ -166,27 +119,10 @@ class ModelState(Instrument):
             self._hook = None
 
     def row(self) -> dict:
-        local = {"m": None if self.measured is None else self.measured / GIB,
-                 "peak": self.probes.local()["peak_allocated_gib"] if self.probes is not None else None}
-        reduced = reduce_metrics(local, self.device, "max")
-        measured, peak_allocated_gib = reduced["m"], reduced["peak"]
-        out = dict.fromkeys(("model_state_gib", "pred_model_state_gib", "pred_activation_gib", "pred_peak_gib",
-                             "pred_error_pct", "pred_params_gib", "pred_grads_gib", "pred_optimizer_gib",
-                             "pred_master_gib", "pred_comm_gib"))
-        out["model_state_gib"] = None if measured is None else round(measured, 6)
-        if measured is None:
+        reduced = reduce_metrics({"m": None if self.measured is None else self.measured / GIB}, self.device, "max")
+        if reduced["m"] is None:
             # the walk runs in the first optimizer update from the last warm-up step on: a library that
             # skipped all of them (non-finite gradients: see skipped_steps) updated nothing to measure
-            out["notes"] = "model_state_gib: no optimizer update from the last warm-up step on (steps skipped?)"
-        # the prediction is the row's, which rank 0 writes: the other ranks skip its walk (0.3-0.6 s of a CPU
-        # the ranks may share)
-        if self.setup is not None and global_rank() == 0:
-            pred = predict(self.setup)
-            out.update(pred_model_state_gib=round(pred.model_state / GIB, 6),
-                       pred_activation_gib=round(pred.activations / GIB, 6), pred_peak_gib=round(pred.peak / GIB, 6))
-            # the components, so that the report draws this run's prediction rather than rebuilding it
-            out.update({f"pred_{c}_gib": round(getattr(pred, c) / GIB, 6)
-                        for c in ("params", "grads", "optimizer", "master", "comm")})
-            if peak_allocated_gib:
-                out["pred_error_pct"] = round(100 * (pred.peak / GIB - peak_allocated_gib) / peak_allocated_gib, 2)
-        return out
+            return {"model_state_gib": None,
+                    "notes": "model_state_gib: no optimizer update from the last warm-up step on (steps skipped?)"}
+        return {"model_state_gib": round(reduced["m"], 6)}

@@ -45,6 +45,12 @@ import torch
 DEFAULT = "results/calibration.json"
 
 
+def beside(results_csv: str) -> str:
+    """The calibration a run's row is predicted from: calibration.json in its results file's folder (the
+    default results/summary.csv reads results/calibration.json, where `benchmark.py calibrate` writes)."""
+    return os.path.join(os.path.dirname(results_csv) or ".", "calibration.json")
+
+
 def compute_mode(strategy: str, precision: str, tf32: bool = False) -> str:
     """The calibration mode a run's compute is priced from. `tf32`: an fp32 run on CUDA with TF32 allowed
     (--tf32), whose matmuls and convolutions run on tensor cores (2-3x an fp32 step on an A100 or H100),

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from ..models import fsdp_units, meta_model, model_facts, norm_numel  # noqa: F401  (re-exported)
+from ..runsetup import RunSetup
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -504,3 +505,48 @@ def _deepspeed(s: Setup, p: Prediction, units, shapes, n, slots, half) -> Predic
 
 def setup_for(s: Setup, strategy: str) -> Setup:
     return replace(s, strategy=strategy)
+
+
+# the single-device scripts whose row says "single" but whose models differ by how the half precision is applied
+_BY_SCRIPT = {"pytorch_half_precision.py": "half", "pytorch_auto_mixed_precision.py": "amp"}
+
+
+def model_strategy(s: RunSetup) -> str:
+    """The strategy as the memory and step models name it (common/strategies.py)."""
+    return _BY_SCRIPT.get(s.script, s.strategy)
+
+
+def setup_of(s: RunSetup) -> Setup | None:
+    """The memory and step models' Setup of a run; None for one they do not size (a split model: mp, pp_*,
+    a hybrid they do not reproduce, DeepSpeed without ZeRO)."""
+    strategy = model_strategy(s)
+    if strategy not in STRATEGIES:
+        return None
+    return Setup(model=s.model, image_size=s.image_size, batch_size=s.batch_size, world_size=s.world_size,
+                 precision="fp32" if strategy == "dp" else s.half, optimizer=s.optimizer, strategy=strategy,
+                 momentum=s.momentum, grad_accum=s.grad_accum, grad_checkpointing=s.grad_checkpointing,
+                 channels_last=s.channels_last, local_world_size=s.local_world_size, zero=s.zero,
+                 bn_fp32=s.bn_fp32, tp=s.tp)
+
+
+# the row's memory prediction (common/results.py, group "memory"), beside model_state_gib and the measured peaks
+PRED_COLUMNS = ("pred_model_state_gib", "pred_activation_gib", "pred_peak_gib", "pred_error_pct", "pred_params_gib",
+                "pred_grads_gib", "pred_optimizer_gib", "pred_master_gib", "pred_comm_gib")
+
+
+def columns(run: RunSetup, peak_allocated_gib: float | None = None) -> dict:
+    """The row's pred_*_gib columns for a run, and pred_error_pct against its measured peak_allocated_gib (CUDA's
+    allocator; none on a CPU). Empty where the model does not size the run."""
+    out = dict.fromkeys(PRED_COLUMNS)
+    setup = setup_of(run)
+    if setup is None:
+        return out
+    pred = predict(setup)
+    out.update(pred_model_state_gib=round(pred.model_state / GIB, 6),
+               pred_activation_gib=round(pred.activations / GIB, 6), pred_peak_gib=round(pred.peak / GIB, 6))
+    # the components, so that the report draws this run's prediction rather than rebuilding it
+    out.update({f"pred_{c}_gib": round(getattr(pred, c) / GIB, 6) for c in ("params", "grads", "optimizer", "master",
+                                                                            "comm")})
+    if peak_allocated_gib:
+        out["pred_error_pct"] = round(100 * (pred.peak / GIB - peak_allocated_gib) / peak_allocated_gib, 2)
+    return out

@@ -16,6 +16,7 @@ from helpers import ROOT, check_ok, clean_env, rows, run, tiny_args
 from test_memory import check_model_state
 
 from common.bench import matrix
+from common.launching import free_port, launch_env
 from common.measure.flops import MATHS, PEAK_TFLOPS
 from common.measure.probes import nvml_handle
 from common.registry import BY_FILE, SCRIPTS
@@ -114,7 +115,7 @@ def test_every_script_and_precision_at_resnet50_224(tmp_path, entry, precision):
                                  "args": {}, "name": "gpu/" + entry.name}, GPUS, str(tmp_path / "summary.csv"))
     model = entry.preset_args.get("model", "resnet50")  # pytorch_TP.py splits a ViT's heads: ResNet50 is refused
     args = gpu_args(tmp_path, precision=precision, world=world, model=model)
-    proc = subprocess.run(cmd + args, cwd=ROOT, env=matrix.run_env(nproc), capture_output=True, text=True,
+    proc = subprocess.run(cmd + args, cwd=ROOT, env=launch_env(nproc=nproc), capture_output=True, text=True,
                           timeout=900)
     check_ok(proc)
     (row,) = rows(tmp_path / "summary.csv")
@@ -252,7 +253,7 @@ def test_every_launcher_honours_cuda_visible_devices(script, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", str(GPUS - 1))
     entry = BY_FILE[script]
     if entry.distributed:
-        cmd = matrix.launcher(script, 1, 1, matrix.free_port())
+        cmd = matrix.launcher(script, 1, 1, free_port())
     else:
         cmd = [sys.executable]
     env = {**clean_env(), "CUDA_VISIBLE_DEVICES": str(GPUS - 1)}
@@ -360,7 +361,6 @@ def test_two_node_rendezvous_over_a_non_loopback_address(tmp_path):
     loopback), with the first alone serving the store as the Slurm templates say (is_host): the group forms,
     trains and writes one row of world 2, in well under the join timeout."""
 
-    from common.distributed import free_port
 
     addr = subprocess.run(["bash", "slurm/node_addr.sh", "2"], cwd=ROOT, capture_output=True, text=True)
     if addr.returncode:
