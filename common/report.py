@@ -603,6 +603,7 @@ def parameter_count(model: str) -> int | None:
 def _comm(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     """Measured communication beside the volume the strategy should send (common/measure/comm.py)."""
     from .predict.volume import expected_bytes, tp_expected_bytes
+    from .strategies import of
 
     ok = latest(rows)
     ok = ok[(ok.status == "ok") & (ok.world_size > 1)]
@@ -615,7 +616,8 @@ def _comm(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
         accum = 1 if pd.isna(accum) else int(accum)
         own = params if r.model == ok.iloc[0].model else parameter_count(r.model)  # a TP row's ViT beside ResNets
         want = expected_bytes(r.strategy, r.precision, own, accum) if own else None
-        if str(r.strategy).startswith("tp") and _tp_size(r) > 0:
+        st = of(str(r.strategy))
+        if st is not None and st.family in ("tp", "tp_fsdp") and _tp_size(r) > 0:
             want = tp_expected_bytes(r.model, int(r.image_size), int(r.global_batch_size), int(r.world_size),
                                      _tp_size(r), accum, r.precision)  # activations: from the row's shapes
         got = r.comm_bytes_per_step

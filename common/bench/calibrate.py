@@ -24,6 +24,7 @@ another device is replaced whole.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -353,9 +354,32 @@ def _piece_times(spec: dict, threads: int) -> list[tuple[float, float]] | None:
     one-stage pieces (common/pipeline.py split [1,1,1,1]) at spec["batch"], one piece after the other in
     this process with `threads` threads and fresh gradients each step, as a stage rank runs them (its
     input a leaf that needs a gradient). None for a model a pipeline cannot split."""
-    import contextlib
     import statistics
-    import time
+
+    import torch
+
+    device = torch.device("cuda", 0) if spec["device"] == "cuda" else torch.device("cpu")
+    got = _pieces_model(spec, device)
+    if got is None:
+        return None
+    model, pieces, x0, autocast = got
+    fwd, bwd = [[] for _ in pieces], [[] for _ in pieces]
+    with _as_the_runs(device, threads):
+        for _ in range(3 + spec["steps"]):
+            model.zero_grad(set_to_none=True)
+            _time_pieces(pieces, x0, autocast, device, fwd, bwd)
+    out = [(round(statistics.median(f[3:]) * 1e3, 4), round(statistics.median(b[3:]) * 1e3, 4))
+           for f, b in zip(fwd, bwd)]
+    if device.type == "cuda":  # the GPU is the next calibration runs' and collectives'
+        del model, pieces, x0
+        torch.cuda.empty_cache()
+    return out
+
+
+def _pieces_model(spec: dict, device):
+    """(model, its four one-stage pieces, an input batch, the autocast context) in the mode's precision; None
+    for a model a pipeline cannot split."""
+    import contextlib
     from types import SimpleNamespace
 
     import torch
@@ -364,7 +388,6 @@ def _piece_times(spec: dict, threads: int) -> list[tuple[float, float]] | None:
     from ..pipeline import split
     from ..precision import steady_host_allocator
 
-    device = torch.device("cuda", 0) if spec["device"] == "cuda" else torch.device("cpu")
     if device.type == "cpu":  # as the runs it stands for (configure_backends)
         steady_host_allocator()
     model = build_model(SimpleNamespace(model=spec["model"], channels_last=False), pretrained=False)
@@ -374,52 +397,58 @@ def _piece_times(spec: dict, threads: int) -> list[tuple[float, float]] | None:
     dtype = torch.bfloat16 if mode.endswith("bf16") else torch.float16 if mode.endswith("fp16") else torch.float32
     model = model.to(device, dtype if mode.startswith("pure_") else torch.float32).train()
     autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if mode.startswith("amp_") else contextlib.nullcontext
-    pieces = split(model, [1, 1, 1, 1])
     x0 = torch.randn(spec["batch"], 3, spec["image_size"], spec["image_size"], device=device,
                      dtype=dtype if mode.startswith("pure_") else torch.float32)
+    return model, split(model, [1, 1, 1, 1]), x0, autocast
+
+
+def _time_pieces(pieces, x0, autocast, device, fwd: list, bwd: list) -> None:
+    """One step of the pieces, one after the other: each one's forward and backward seconds appended."""
+    import time
+
+    import torch
 
     def clock() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
+    x, kept = x0, []
+    for i, piece in enumerate(pieces):
+        leaf = x.detach().requires_grad_(i > 0)
+        t = clock()
+        with autocast():
+            y = piece(leaf)
+        fwd[i].append(clock() - t)
+        kept.append((leaf, y))
+        x = y
+    grad = torch.ones_like(x)
+    for i in reversed(range(len(pieces))):
+        leaf, y = kept[i]
+        t = clock()
+        y.backward(grad)
+        bwd[i].append(clock() - t)
+        grad = leaf.grad
+
+
+@contextlib.contextmanager
+def _as_the_runs(device, threads: int):
+    """The runs' thread count and, on CUDA, their backend settings (common/precision.py configure_backends: TF32
+    off by default), put back after."""
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    cuda = device.type == "cuda"
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     flags = (cudnn.benchmark, matmul.allow_tf32, cudnn.allow_tf32)
-    if cuda:  # the runs' settings (common/precision.py configure_backends, TF32 off by default)
+    if device.type == "cuda":
         cudnn.benchmark, matmul.allow_tf32, cudnn.allow_tf32 = True, False, False
-    fwd, bwd = [[] for _ in pieces], [[] for _ in pieces]
     try:
-        for _ in range(3 + spec["steps"]):
-            model.zero_grad(set_to_none=True)
-            x, kept = x0, []
-            for i, piece in enumerate(pieces):
-                leaf = x.detach().requires_grad_(i > 0)
-                t = clock()
-                with autocast():
-                    y = piece(leaf)
-                fwd[i].append(clock() - t)
-                kept.append((leaf, y))
-                x = y
-            grad = torch.ones_like(x)
-            for i in reversed(range(len(pieces))):
-                leaf, y = kept[i]
-                t = clock()
-                y.backward(grad)
-                bwd[i].append(clock() - t)
-                grad = leaf.grad
+        yield
     finally:
         torch.set_num_threads(before)
-        if cuda:
+        if device.type == "cuda":
             cudnn.benchmark, matmul.allow_tf32, cudnn.allow_tf32 = flags
-    out = [(round(statistics.median(f[3:]) * 1e3, 4), round(statistics.median(b[3:]) * 1e3, 4))
-           for f, b in zip(fwd, bwd)]
-    if cuda:  # the GPU is the next calibration runs' and collectives'
-        del model, pieces, x0, x, kept, grad, leaf, y
-        torch.cuda.empty_cache()
-    return out
 
 
 def _median_pieces(draws: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
@@ -508,35 +537,45 @@ def _error_line(stderr: str) -> str:
     return next((x for x in reversed(lines) if "Error" in x or "Exception" in x), lines[-1]).strip()
 
 
-def calibrate(opts) -> int:
+def _plan(opts):
+    """calibrate's settings from the preset and the flags, each refused in one line when out of range."""
+    import types
+
     import torch
     import yaml
-
-    from ..models import meta_model, stages
-    from ..predict.calibration import fingerprint, key, load, save
 
     with open(opts.matrix) as fh:
         presets = (yaml.safe_load(fh) or {}).get("presets", {})
     if opts.preset not in presets:
         raise UsageError(f"unknown preset '{opts.preset}'; choose from {', '.join(sorted(presets))}")
     args = presets[opts.preset].get("args", {})
-    model = opts.model or args.get("model", "resnet50")
-    image = opts.image_size or int(args.get("image_size", 224))
-    batch = opts.batch_size or int(args.get("batch_size", 128))
-    optimizer = opts.optimizer or args.get("optimizer", "sgd")
-    modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
-    if model not in classification_models():
-        raise UsageError(f"unknown model '{model}'")
-    bad = [m for m in modes if m not in MODES]
+    p = types.SimpleNamespace(args=args, model=opts.model or args.get("model", "resnet50"),
+                              image=opts.image_size or int(args.get("image_size", 224)),
+                              batch=opts.batch_size or int(args.get("batch_size", 128)),
+                              optimizer=opts.optimizer or args.get("optimizer", "sgd"),
+                              modes=[m.strip() for m in opts.modes.split(",") if m.strip()])
+    if p.model not in classification_models():
+        raise UsageError(f"unknown model '{p.model}'")
+    bad = [m for m in p.modes if m not in MODES]
     if bad:
         raise UsageError(f"--modes: {', '.join(bad)} unknown; choose from {', '.join(MODES)}")
-    cuda = opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
+    p.cuda = opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device here")
-    if "tf32" in modes and not cuda:
+    if "tf32" in p.modes and not p.cuda:
         raise UsageError("--modes tf32: TF32 is a CUDA math mode; on a CPU an fp32 entry prices a --tf32 run")
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    cores = os.cpu_count() or 1
+    p.device = torch.device("cuda", 0) if p.cuda else torch.device("cpu")
+    p.worlds = _worlds(opts, p.cuda)
+    _check_counts(opts)
+    p.workers = loader_workers(opts.workers, args, p.cuda)
+    p.max_bytes = _link_max(opts.link_max_bytes, p.model, p.image)
+    p.min_bytes = _link_min(opts.link_min_bytes, p.max_bytes)
+    return p
+
+
+def _worlds(opts, cuda: bool) -> list[int]:
+    import torch
+
     try:
         worlds = [int(w) for w in opts.world_sizes.split(",")] if opts.world_sizes else \
             sorted({1, torch.cuda.device_count()} if cuda else {1, 2})
@@ -544,95 +583,127 @@ def calibrate(opts) -> int:
         raise UsageError(f"--world-sizes {opts.world_sizes!r}: comma-separated integers") from None
     if min(worlds) < 1:
         raise UsageError("--world-sizes: every size must be >= 1")
+    return worlds
+
+
+def _check_counts(opts) -> None:
     if opts.steps < 1:
         raise UsageError(f"--steps {opts.steps}: at least 1 timed step")
     if opts.repeats < 1:
         raise UsageError(f"--repeats {opts.repeats}: at least 1 launch")
     if opts.relaunch_busy < 0:
         raise UsageError(f"--relaunch-busy {opts.relaunch_busy}: 0 or more")
-    relaunch = opts.relaunch_busy
-    workers = loader_workers(opts.workers, args, cuda)
-    max_bytes = _link_max(opts.link_max_bytes, model, image)
-    min_bytes = _link_min(opts.link_min_bytes, max_bytes)
-    data = load(opts.out) or {}
-    timed = set()
-    fp = fingerprint(device)
+
+
+def _compute_jobs(opts, p, n: int, procs: int, threads: int) -> tuple[list, dict, dict]:
+    """(jobs [(name, draw, optional)]: the plain compute's entries, then each strategy's on one process; each
+    entry key's loader workers; a strategy run's name -> (mode, micro-batch) of its entry, fp32@<strategy>)."""
+    from ..predict.calibration import key
+
+    micro = {max(1, p.batch // n)} | ({max(1, p.batch // opts.microbatches)} if opts.microbatches and n > 1 else set())
+    setups = [(mode, b, False, p.workers) for mode in p.modes for b in sorted(micro)]
+    setups += [(mode, b, True, p.workers) for mode in p.modes for b in sorted(micro) if opts.channels_last]
+    if n == 1:
+        own = _channels_last_setups(opts, p.args.get("batch_size"), p.batch, p.modes, p.cuda)
+        # a run of the GPU loader has no workers: its entry has none either
+        setups += [(mode, b, True, 0 if loader == "gpu" else p.workers) for mode, b, loader in own
+                   if (mode, b, True) not in [x[:3] for x in setups]]
+    jobs, entry_workers, strategies = [], {}, {}
+    for mode, b, cl, w in setups:
+        spec = {"model": p.model, "image_size": p.image, "batch": b, "mode": mode, "optimizer": p.optimizer,
+                "device": p.device.type, "steps": opts.steps, "channels_last": cl, "workers": w}
+        k = key(p.model, p.image, b, mode, p.optimizer, procs, threads, cl)
+        entry_workers[k] = w
+        jobs.append((k, _spawn(spec, procs, threads), False))
+    if not opts.no_strategies:  # at 1 too: a --world-sizes 1,2 run's first point is the script alone
+        for mode in [m for m in p.modes if m == "fp32"]:
+            spec = {"model": p.model, "image_size": p.image, "batch": max(1, p.batch // n), "mode": mode,
+                    "optimizer": p.optimizer, "device": p.device.type, "steps": opts.steps, "workers": p.workers}
+            for name, draw in _strategy_runs(opts, spec, n, 1 if p.cuda else 0, threads, procs):
+                jobs.append((name, draw, True))
+                strategies[name] = (mode, spec["batch"])
+    return jobs, entry_workers, strategies
+
+
+def _store_compute(data: dict, got_all: dict, p, strategies: dict, entry_workers: dict, procs: int,
+                   threads: int) -> None:
+    from ..predict.calibration import key
+
+    seen = set()
+    for name, (got, row) in got_all.items():
+        if name in strategies:  # two runs of one strategy (another batch, say): the first counts
+            if row["strategy"] in seen:
+                continue
+            seen.add(row["strategy"])
+            mode, b = strategies[name]
+            name = key(p.model, p.image, b, f"{mode}@{row['strategy']}", p.optimizer, procs, threads)
+        w = entry_workers.get(name, p.workers)
+        data["compute"][name] = {m: round(v, 4) for m, v in got.items()} | ({"workers": w} if w else {})
+        own = f", its own collectives at one process {got['own_comm_ms']:.2f} ms" if got.get("own_comm_ms") else ""
+        print(f"compute {name}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
+              f"optimizer {got['opt_ms']:.2f} ms{own}", flush=True)
+
+
+def _store_pieces(opts, data: dict, p, n: int, threads: int, timed: set) -> None:
+    """A pipeline's micro-batch (its stage shares) and the data-parallel ranks' (when their units' gradients
+    are ready: timemodel.time_shares): the four pieces of a ResNet, timed in this process."""
+    from ..models import meta_model, stages
+    from ..predict.calibration import key
+
+    micro = piece_batches(p.batch, n, opts.microbatches)
+    resnet = bool(micro) and bool(stages(meta_model(p.model, image_size=p.image)))  # the pieces are a ResNet's
+    for mode, b in [(m, b) for m in p.modes for b in micro] if resnet else []:
+        spec = {"model": p.model, "image_size": p.image, "batch": b, "mode": mode, "device": p.device.type,
+                "steps": opts.steps}
+        k = key(p.model, p.image, spec["batch"], mode, "-", 1, threads)
+        if k in timed:  # a GPU's threads are 1 at every world size: the same key
+            continue
+        timed.add(k)
+        draws = [_piece_times(spec, threads) for _ in range(max(1, opts.repeats))]
+        got = _median_pieces(draws) if draws[0] else None
+        if got:
+            data.setdefault("pieces", {})[k] = got
+            print(f"pieces {k}: " + ", ".join(f"{f:.2f}+{b:.2f} ms" for f, b in got), flush=True)
+
+
+def _store_links(opts, data: dict, p, n: int, threads: int, early: list) -> None:
+    links, meet = _links(n, p.device.type, threads, p.max_bytes, opts.repeats, tuple(early), p.min_bytes,
+                         opts.relaunch_busy)
+    data["links"][str(n)] = links
+    data.setdefault("meets", {})[str(n)] = round(meet, 4)
+    print(f"link {n} ranks: a meeting {meet:.3f} ms per run of collectives after compute", flush=True)
+    for kind, v in links.items():
+        print(f"link {n} ranks {kind}: latency {v['latency_us']:.1f} us, busbw {v['busbw_gbps']:.3f} GB/s",
+              flush=True)
+
+
+def calibrate(opts) -> int:
+    from ..predict.calibration import fingerprint, load, save
+
+    p = _plan(opts)
+    relaunch, cores = opts.relaunch_busy, os.cpu_count() or 1
+    data, timed, fp = load(opts.out) or {}, set(), fingerprint(p.device)
     if data.get("device_name") != fp["device_name"]:
         data = {**fp, "compute": {}, "links": {}}
-    for n in worlds:
-        procs = 1 if cuda else n
-        threads = 1 if cuda else (opts.threads or max(1, cores // n))
+    for n in p.worlds:
+        procs = 1 if p.cuda else n
+        threads = 1 if p.cuda else (opts.threads or max(1, cores // n))
         # with --repeats, the collectives' launches are spread over this world size's entries, not back to
         # back: a CPU's loopback moved between two states within an hour (all-reduce 0.94-1.57 GB/s), and
         # launches minutes apart take the median of the state the runs will see
-        early = [_collectives(n, device.type, threads, max_bytes, min_bytes, relaunch)] \
+        early = [_collectives(n, p.device.type, threads, p.max_bytes, p.min_bytes, relaunch)] \
             if n > 1 and opts.repeats > 1 else []
-        micro = {max(1, batch // n)} | ({max(1, batch // opts.microbatches)} if opts.microbatches and n > 1 else set())
-        setups = [(mode, b, False, workers) for mode in modes for b in sorted(micro)]
-        setups += [(mode, b, True, workers) for mode in modes for b in sorted(micro) if opts.channels_last]
-        if n == 1:
-            own = _channels_last_setups(opts, args.get("batch_size"), batch, modes, cuda)
-            # a run of the GPU loader has no workers: its entry has none either
-            setups += [(mode, b, True, 0 if loader == "gpu" else workers) for mode, b, loader in own
-                       if (mode, b, True) not in [x[:3] for x in setups]]
-        jobs = []  # (name, draw, optional): the plain compute's entries, then each strategy's on one process
-        entry_workers = {}  # an entry's key -> the loader workers it ran with (the strategies': `workers`)
-        for mode, b, cl, w in setups:
-            spec = {"model": model, "image_size": image, "batch": b, "mode": mode, "optimizer": optimizer,
-                    "device": device.type, "steps": opts.steps, "channels_last": cl, "workers": w}
-            entry_workers[key(model, image, b, mode, optimizer, procs, threads, cl)] = w
-            jobs.append((key(model, image, b, mode, optimizer, procs, threads, cl), _spawn(spec, procs, threads),
-                         False))
-        strategies = {}  # a strategy run's name -> (mode, micro-batch) of its entry, fp32@<strategy>
-        if not opts.no_strategies:  # at 1 too: a --world-sizes 1,2 run's first point is the script alone
-            for mode in [m for m in modes if m == "fp32"]:
-                spec = {"model": model, "image_size": image, "batch": max(1, batch // n), "mode": mode,
-                        "optimizer": optimizer, "device": device.type, "steps": opts.steps, "workers": workers}
-                for name, draw in _strategy_runs(opts, spec, n, 1 if cuda else 0, threads, procs):
-                    jobs.append((name, draw, True))
-                    strategies[name] = (mode, spec["batch"])
+        jobs, entry_workers, strategies = _compute_jobs(opts, p, n, procs, threads)
 
         def middle(n=n, threads=threads):  # the collectives' launch between the first round and the rest
-            early.append(_collectives(n, device.type, threads, max_bytes, min_bytes, relaunch))
+            early.append(_collectives(n, p.device.type, threads, p.max_bytes, p.min_bytes, relaunch))
 
-        seen = set()
         between = middle if n > 1 and opts.repeats > 2 else None
-        for name, (got, row) in _rounds(jobs, opts.repeats, between, relaunch).items():
-            if name in strategies:  # two runs of one strategy (another batch, say): the first counts
-                if row["strategy"] in seen:
-                    continue
-                seen.add(row["strategy"])
-                mode, b = strategies[name]
-                name = key(model, image, b, f"{mode}@{row['strategy']}", optimizer, procs, threads)
-            w = entry_workers.get(name, workers)
-            data["compute"][name] = {m: round(v, 4) for m, v in got.items()} | ({"workers": w} if w else {})
-            own = f", its own collectives at one process {got['own_comm_ms']:.2f} ms" if got.get("own_comm_ms") else ""
-            print(f"compute {name}: forward {got['fwd_ms']:.2f} ms, backward {got['bwd_ms']:.2f} ms, "
-                  f"optimizer {got['opt_ms']:.2f} ms{own}", flush=True)
-        # a pipeline's micro-batch (its stage shares) and the data-parallel ranks' (when their units'
-        # gradients are ready: timemodel.time_shares)
-        micro = piece_batches(batch, n, opts.microbatches)
-        resnet = bool(micro) and bool(stages(meta_model(model, image_size=image)))  # the pieces are a ResNet's
-        for mode, b in [(m, b) for m in modes for b in micro] if resnet else []:
-            spec = {"model": model, "image_size": image, "batch": b, "mode": mode, "device": device.type,
-                    "steps": opts.steps}
-            k = key(model, image, spec["batch"], mode, "-", 1, threads)
-            if k in timed:  # a GPU's threads are 1 at every world size: the same key
-                continue
-            timed.add(k)
-            draws = [_piece_times(spec, threads) for _ in range(max(1, opts.repeats))]
-            got = _median_pieces(draws) if draws[0] else None
-            if got:
-                data.setdefault("pieces", {})[k] = got
-                print(f"pieces {k}: " + ", ".join(f"{f:.2f}+{b:.2f} ms" for f, b in got), flush=True)
+        _store_compute(data, _rounds(jobs, opts.repeats, between, relaunch), p, strategies, entry_workers, procs,
+                       threads)
+        _store_pieces(opts, data, p, n, threads, timed)
         if n > 1:
-            links, meet = _links(n, device.type, threads, max_bytes, opts.repeats, tuple(early), min_bytes, relaunch)
-            data["links"][str(n)] = links
-            data.setdefault("meets", {})[str(n)] = round(meet, 4)
-            print(f"link {n} ranks: a meeting {meet:.3f} ms per run of collectives after compute", flush=True)
-            for kind, v in links.items():
-                print(f"link {n} ranks {kind}: latency {v['latency_us']:.1f} us, busbw {v['busbw_gbps']:.3f} GB/s",
-                      flush=True)
+            _store_links(opts, data, p, n, threads, early)
     save(opts.out, data)
     print(f"calibration: {opts.out}")
     return 0

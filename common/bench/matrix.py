@@ -28,7 +28,7 @@ from ..registry import BY_FILE, SCRIPTS
 from ..results import append_row, read_rows
 
 EXIT_STATUS = {3: "diverged", 4: "oom"}
-PROGRESS = re.compile(r"\[progress\] epoch=(\S+) step=(\S+) loss=(\S+)(?: img_s=(\S+))?")
+PROGRESS = "[progress] "  # a run's progress line (common/train.py progress): echoed for people, never parsed
 
 
 def hardware() -> tuple[int, str]:
@@ -263,11 +263,9 @@ def execute(run: dict, i: int, n: int, gpus: int, results: str, log_dir: str, t0
             if line:
                 log.write(line)
                 lines = (lines + [line])[-200:]
-                m = PROGRESS.search(line)
-                if m:
-                    rate = f" {float(m.group(4)):.1f} img/s" if m.group(4) else ""
-                    print(f"    {time.time() - start:6.0f}s run, {time.time() - t0:6.0f}s total | epoch {m.group(1)} "
-                          f"step {m.group(2)} loss {m.group(3)}{rate}", flush=True)
+                if line.startswith(PROGRESS):
+                    print(f"    {time.time() - start:6.0f}s run, {time.time() - t0:6.0f}s total | "
+                          f"{line[len(PROGRESS):].rstrip()}", flush=True)
             if time.time() - start > run["timeout_s"] and not timed_out:
                 timed_out = True
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -323,23 +321,17 @@ def rounds(runs: list[dict], repeats: int, gpus: int) -> list[dict]:
     return out
 
 
-def run_matrix(opts) -> int:
-    """The matrix on this machine (benchmark.py sends --launcher slurm to common/bench/slurm.py)."""
-    gpus, device = hardware()
-    only = [s.strip() for s in opts.only.split(",")] if opts.only else None
-    repeats = getattr(opts, "repeats", 1)
+def _counts(opts) -> tuple[int, int]:
+    """(--repeats, --relaunch-busy), refused in one line when out of range."""
+    repeats, relaunch = getattr(opts, "repeats", 1), getattr(opts, "relaunch_busy", 0)
     if repeats < 1:
         raise UsageError(f"--repeats must be >= 1; got {repeats}")
-    relaunch = getattr(opts, "relaunch_busy", 0)
     if relaunch < 0:
         raise UsageError(f"--relaunch-busy must be >= 0; got {relaunch}")
-    runs = getattr(opts, "runs", None) or load_matrix(opts.matrix, opts.preset, only, gpus,
-                                                      getattr(opts, "save_dir", ""))
-    if getattr(opts, "world_sizes", ""):
-        runs = world_size_runs(runs, opts.world_sizes, opts.scaling, gpus)
-    from ..results import check_results_path
+    return repeats, relaunch
 
-    check_results_path(opts.results)
+
+def _announce(opts, runs: list, device: str, gpus: int, repeats: int) -> None:
     times = f", each launched {repeats} times, round by round" if repeats > 1 else ""
     print(f"preset {opts.preset}: {len(runs)} runs on {device} ({gpus} GPUs){times}" if gpus else
           f"preset {opts.preset}: {len(runs)} runs on {device} (no GPU: 2 gloo processes per distributed run){times}")
@@ -351,40 +343,57 @@ def run_matrix(opts) -> int:
         print(f"this CPU has no native kernels for {kinds}: "
               f"{len(emulated)} half-precision run(s) train {first.get('model')} at {first.get('image_size')} px "
               "(the preset's cpu_emulated_half_args)")
+
+
+def _launch(opts, run: dict, i: int, n: int, gpus: int, device: str, done: list, relaunch: int, t0: float) -> str:
+    """One run of the matrix, launched again up to `relaunch` times while its window found the host busy; its
+    status. A launch that wrote no row gets one that says why."""
+    status = "ok"
+    for attempt in range(relaunch + 1):
+        code, status, lines = execute(run, i, n, gpus, opts.results, opts.log_dir, t0)
+        now = done_rows(opts.results, run, device)
+        if attempt and status != "ok":  # the busy launch's ok row stands; the failed relaunch's log says why
+            print("    the launch again did not end ok: the busy launch is kept", flush=True)
+            return "ok"
+        if len(now) == len(done):
+            record_missing(run, status if status != "ok" else "failed", last_error_line(lines), opts.results, gpus)
+            return status
+        if status != "ok" or not is_busy(busy_pct(now[-1])):
+            return status
+        again = attempt < relaunch
+        share = describe(now[-1].get("host_other_pct"), now[-1].get("host_steal_pct"))
+        print(f"    the host was busy in its window ({share}): "
+              + (f"launched again ({attempt + 1} of {relaunch}); the report reads the newest launch" if again
+                 else "kept, busy"), flush=True)
+        done = now
+    return status
+
+
+def run_matrix(opts) -> int:
+    """The matrix on this machine (benchmark.py sends --launcher slurm to common/bench/slurm.py)."""
+    from ..results import check_results_path
+
+    gpus, device = hardware()
+    only = [s.strip() for s in opts.only.split(",")] if opts.only else None
+    repeats, relaunch = _counts(opts)
+    runs = getattr(opts, "runs", None) or load_matrix(opts.matrix, opts.preset, only, gpus,
+                                                      getattr(opts, "save_dir", ""))
+    if getattr(opts, "world_sizes", ""):
+        runs = world_size_runs(runs, opts.world_sizes, opts.scaling, gpus)
+    check_results_path(opts.results)
+    _announce(opts, runs, device, gpus, repeats)
     runs = rounds(runs, repeats, gpus)
-    t0 = time.time()
-    failures = 0
+    t0, failures = time.time(), 0
     for i, run in enumerate(runs, 1):
         done = done_rows(opts.results, run, device)
         if not opts.force and any(r["status"] in ("ok", "skipped") for r in done):
             print(f"[{i}/{len(runs)}] {label(run)}: already in {opts.results}, skipped (--force to rerun)")
-            continue
-        if opts.dry_run:
+        elif opts.dry_run:
             print(" ".join(command(run, gpus, opts.results)[0]))
-            continue
-        if run["gpu_only"] and not gpus:
+        elif run["gpu_only"] and not gpus:
             print(f"[{i}/{len(runs)}] {run['name']}: needs a GPU, recorded as skipped")
             record_missing(run, "skipped", "needs CUDA devices (see docs/gpu-first-hour.md)", opts.results, gpus)
-            continue
-        for attempt in range(relaunch + 1):
-            code, status, lines = execute(run, i, len(runs), gpus, opts.results, opts.log_dir, t0)
-            now = done_rows(opts.results, run, device)
-            if attempt and status != "ok":  # the busy launch's ok row stands; the failed relaunch's log says why
-                print("    the launch again did not end ok: the busy launch is kept", flush=True)
-                status = "ok"
-                break
-            if len(now) == len(done):
-                record_missing(run, status if status != "ok" else "failed", last_error_line(lines), opts.results,
-                               gpus)
-                break
-            if status != "ok" or not is_busy(busy_pct(now[-1])):
-                break
-            again = attempt < relaunch
-            share = describe(now[-1].get("host_other_pct"), now[-1].get("host_steal_pct"))
-            print(f"    the host was busy in its window ({share}): "
-                  + (f"launched again ({attempt + 1} of {relaunch}); the report reads the newest launch" if again
-                     else "kept, busy"), flush=True)
-            done = now
-        failures += status != "ok"
+        else:
+            failures += _launch(opts, run, i, len(runs), gpus, device, done, relaunch, t0) != "ok"
     print(f"matrix done in {time.time() - t0:.0f}s, {failures} run(s) not ok")
     return failures

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -163,40 +164,74 @@ def _meta(e) -> dict:
     return {k: v.strip('"') if isinstance(v, str) else v for k, v in meta.items()}
 
 
-def analyze(events, n: int, steps: int) -> dict:
-    """The columns from profiler events (torch's _KinetoEvent: name(), shapes(), dtypes(), start_ns(),
-    duration_ns(), start_thread_id(), device_type() -- what torch.autograd.profiler builds its
-    FunctionEvents from; FunctionEvent drops the dtypes)."""
-    calls, bus_bytes, payload = 0, 0.0, 0
-    cpu_comm, threads, gpu_comm, gpu_compute, cpu_ops, launches = [], set(), [], [], [], []
-    gpu_phases: dict[str, list] = {}
-    # the harness waits for its collectives inside its range (on CUDA it synchronizes there): a
-    # collective, or an NCCL kernel, that starts inside one is the harness's
+@dataclass
+class _Seen:
+    """What analyze() gathers from one pass over the events."""
+    calls: int = 0
+    payload: int = 0
+    bus_bytes: float = 0.0
+    cpu_comm: list = field(default_factory=list)
+    threads: set = field(default_factory=set)  # gloo's worker threads (their collectives' runs)
+    gpu_comm: list = field(default_factory=list)
+    gpu_compute: list = field(default_factory=list)
+    cpu_ops: list = field(default_factory=list)
+    launches: list = field(default_factory=list)
+    gpu_phases: dict = field(default_factory=dict)
+
+    def count(self, size: int, bus: float) -> None:
+        self.calls, self.payload, self.bus_bytes = self.calls + 1, self.payload + size, self.bus_bytes + bus
+
+
+def _p2p(events) -> list:
+    """NCCL point-to-point inside a coalescing group (batch_isend_irecv: every pipeline schedule's sends and
+    receives) gets no nccl:send / nccl:recv event of its own: ProcessGroupNCCL's pointToPoint only records the
+    op for the flight recorder while coalescing, and endCoalescing's work is a shapeless `nccl:coalesced`
+    (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, initWork(..., "nccl:coalesced", {}, {})). Every send()
+    and recv() first records record_param_comms with its element count and dtype (RECORD_PARAM_COMMS_DATA,
+    coalesced or not), so on NCCL the point-to-point traffic is counted from those, and nccl:send/recv not
+    again."""
+    return [e for e in events if e.name() == "record_param_comms"
+            and (_meta(e).get("Collective name") in ("send", "recv"))]
+
+
+def _device_event(seen: _Seen, e, name: str, span) -> None:
+    if name.startswith(PHASE):  # the loop's phase ranges on the device timeline
+        seen.gpu_phases.setdefault(name[len(PHASE):], []).append(span)
+    elif not _annotation(e):  # a range, not a kernel: neither comm nor compute
+        (seen.gpu_comm if "nccl" in name.lower() else seen.gpu_compute).append(span)
+
+
+def _collective(seen: _Seen, e, span, op: str, backend: str, n: int, gathers) -> None:
+    kind, group = KINDS[op], n
+    if kind == "all_gather" and e.shapes() and gathers.get(tuple(e.shapes()[0] or ())):
+        group = gathers[tuple(e.shapes()[0])].pop(0)
+    size = message_bytes(kind, e.shapes(), e.dtypes(), group)
+    seen.count(size, size * bus_factor(kind, group))
+    if backend == "gloo":
+        seen.cpu_comm.append(span)
+        # A collective's event is its worker thread's run; a send's or a receive's is the caller's own:
+        # SendWork and RecvWork pass "gloo:send"/"gloo:recv" to the Work constructor, which opens the range
+        # on the issuing (training) thread, and wait() closes it (ProcessGroupGloo.cpp, SendWork::wait ->
+        # finishAndThrow). So a pipeline's send spans the stage's next forward: that thread's ops stay
+        # compute, and only its wait is exposed.
+        if kind not in ("send", "recv"):
+            seen.threads.add(e.start_thread_id())
+
+
+def _gather(events, n: int) -> _Seen:
+    """One pass over the events: collectives counted, spans of communication and compute by thread and device.
+    The harness waits for its collectives inside its range (on CUDA it synchronizes there): a collective, or
+    an NCCL kernel, that starts inside one is the harness's."""
+    seen, gathers, p2p = _Seen(), _gather_groups(events), _p2p(events)
     harness = _union([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == HARNESS])
-    starts = [a for a, _ in harness]
-    gathers = _gather_groups(events)
-    # NCCL point-to-point inside a coalescing group (batch_isend_irecv: every pipeline schedule's
-    # sends and receives) gets no nccl:send / nccl:recv event of its own: ProcessGroupNCCL's
-    # pointToPoint only records the op for the flight recorder while coalescing, and endCoalescing's
-    # work is a shapeless `nccl:coalesced` (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp,
-    # initWork(..., "nccl:coalesced", {}, {})). Every send() and recv() first records
-    # record_param_comms with its element count and dtype (RECORD_PARAM_COMMS_DATA, coalesced or
-    # not), so on NCCL the point-to-point traffic is counted from those, and nccl:send/recv not again.
-    p2p = [e for e in events if e.name() == "record_param_comms"
-           and (_meta(e).get("Collective name") in ("send", "recv"))]
-    p2p_ids = {id(e) for e in p2p}
+    starts, p2p_ids = [a for a, _ in harness], {id(e) for e in p2p}
     for e in sorted(events, key=lambda e: e.start_ns()):
-        name = e.name()
-        span = (e.start_ns(), e.start_ns() + e.duration_ns())
+        name, span = e.name(), (e.start_ns(), e.start_ns() + e.duration_ns())
         at = bisect.bisect_right(starts, span[0]) - 1
         if at >= 0 and span[0] <= harness[at][1]:
             continue
         if e.device_type() == torch.autograd.DeviceType.CUDA:
-            if name.startswith(PHASE):  # the loop's phase ranges on the device timeline
-                gpu_phases.setdefault(name[len(PHASE):], []).append(span)
-            if name.startswith(PHASE) or _annotation(e):  # a range, not a kernel: neither comm nor compute
-                continue
-            (gpu_comm if "nccl" in name.lower() else gpu_compute).append(span)
+            _device_event(seen, e, name, span)
             continue
         backend, _, op = name.partition(":")
         if p2p and backend == "nccl" and op in ("send", "recv"):
@@ -204,56 +239,54 @@ def analyze(events, n: int, steps: int) -> dict:
         if id(e) in p2p_ids:
             meta = _meta(e)
             size = int(meta.get("In msg nelems") or 0) * PARAM_COMMS_BYTES.get(str(meta.get("dtype")), 0)
-            calls, payload, bus_bytes = calls + 1, payload + size, bus_bytes + size
-            continue
-        if backend in ("gloo", "nccl") and op in KINDS:
-            kind, group = KINDS[op], n
-            if kind == "all_gather" and e.shapes() and gathers.get(tuple(e.shapes()[0] or ())):
-                group = gathers[tuple(e.shapes()[0])].pop(0)
-            size = message_bytes(kind, e.shapes(), e.dtypes(), group)
-            calls, payload = calls + 1, payload + size
-            bus_bytes += size * bus_factor(kind, group)
-            if backend == "gloo":
-                cpu_comm.append(span)
-                # A collective's event is its worker thread's run; a send's or a receive's is the caller's
-                # own: SendWork and RecvWork pass "gloo:send"/"gloo:recv" to the Work constructor, which
-                # opens the range on the issuing (training) thread, and wait() closes it
-                # (ProcessGroupGloo.cpp, SendWork::wait -> finishAndThrow). So a pipeline's send spans the
-                # stage's next forward: that thread's ops stay compute, and only its wait is exposed.
-                if kind not in ("send", "recv"):
-                    threads.add(e.start_thread_id())
+            seen.count(size, size)
+        elif backend in ("gloo", "nccl") and op in KINDS:
+            _collective(seen, e, span, op, backend, n, gathers)
         elif name.startswith("aten::") and "wait" not in name:
-            cpu_ops.append((e.start_thread_id(), span))
+            seen.cpu_ops.append((e.start_thread_id(), span))
         elif backend == "c10d" and "barrier" not in op and "wait" not in op:
-            launches.append((e.start_thread_id(), span))
-    comm = _union(gpu_comm if gpu_comm else cpu_comm)
-    # On CPU the training thread does part of a collective's work inside its dispatcher op, before the
-    # gloo thread takes over: gloo's reduce-scatter clones its whole input there
-    # (ProcessGroupGloo::reduce_scatter_tensor_coalesced, then an all-reduce of the clone). That is
-    # communication, as benchmarks/collectives.py times it, not the model's compute. (On GPU a launch
-    # only enqueues: the kernels say what ran.)
-    launch = [] if gpu_comm else _union([s for t, s in launches if t not in threads])
-    compute = _union(gpu_compute) if gpu_comm else \
-        _subtract(_union([s for t, s in cpu_ops if t not in threads]), launch)
-    comm_ns = _length(comm)
-    # exposed: a collective in flight (or launching) and no compute on the training side, attributed to
-    # the loop's phase it fell in (common/measure/stepparts.py takes it out of that phase)
-    exposed = _subtract(_union(comm + launch), compute)
-    # on GPU the device's copy of each phase range (the host runs ahead of the device), on CPU the host's
-    phases = gpu_phases if gpu_comm and gpu_phases else {}
+            seen.launches.append((e.start_thread_id(), span))
+    return seen
+
+
+def _phase_spans(events, seen: _Seen) -> dict:
+    """The loop's phase ranges: on GPU the device's copy of each (the host runs ahead of the device), on CPU the
+    host's; a step run inside backward (accelerate's DeepSpeed engine, common/train.py step_inside_backward) is
+    the optimizer's alone, not compute's as well."""
+    phases = seen.gpu_phases if seen.gpu_comm and seen.gpu_phases else {}
     if not phases:
         for e in events:
             if e.name().startswith(PHASE) and e.device_type() != torch.autograd.DeviceType.CUDA:
                 phases.setdefault(e.name()[len(PHASE):], []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
     if "compute" in phases and "optimizer" in phases:
-        # a step run inside backward (accelerate's DeepSpeed engine, common/train.py step_inside_backward)
-        # is the optimizer's alone, not compute's as well
         phases = {**phases, "compute": _subtract(_union(phases["compute"]), _union(phases["optimizer"]))}
+    return phases
+
+
+def analyze(events, n: int, steps: int) -> dict:
+    """The columns from profiler events (torch's _KinetoEvent: name(), shapes(), dtypes(), start_ns(),
+    duration_ns(), start_thread_id(), device_type() -- what torch.autograd.profiler builds its
+    FunctionEvents from; FunctionEvent drops the dtypes)."""
+    seen = _gather(events, n)
+    comm = _union(seen.gpu_comm if seen.gpu_comm else seen.cpu_comm)
+    # On CPU the training thread does part of a collective's work inside its dispatcher op, before the
+    # gloo thread takes over: gloo's reduce-scatter clones its whole input there
+    # (ProcessGroupGloo::reduce_scatter_tensor_coalesced, then an all-reduce of the clone). That is
+    # communication, as benchmarks/collectives.py times it, not the model's compute. (On GPU a launch
+    # only enqueues: the kernels say what ran.)
+    launch = [] if seen.gpu_comm else _union([s for t, s in seen.launches if t not in seen.threads])
+    compute = _union(seen.gpu_compute) if seen.gpu_comm else \
+        _subtract(_union([s for t, s in seen.cpu_ops if t not in seen.threads]), launch)
+    comm_ns = _length(comm)
+    # exposed: a collective in flight (or launching) and no compute on the training side, attributed to
+    # the loop's phase it fell in (common/measure/stepparts.py takes it out of that phase)
+    exposed = _subtract(_union(comm + launch), compute)
+    phases = _phase_spans(events, seen)
     by_phase = ({p: _intersection(exposed, _union(spans)) / 1e6 / steps for p, spans in phases.items()}
                 if phases else None)  # no phase recorded: not measured (never a silent 0)
-    return {"comm_bytes_per_step": payload / steps, "comm_calls_per_step": calls / steps,
+    return {"comm_bytes_per_step": seen.payload / steps, "comm_calls_per_step": seen.calls / steps,
             "comm_ms_per_step": comm_ns / 1e6 / steps if comm_ns else None,
-            "busbw_gbps": bus_bytes / comm_ns if comm_ns else None,  # bytes per ns = GB/s
+            "busbw_gbps": seen.bus_bytes / comm_ns if comm_ns else None,  # bytes per ns = GB/s
             "comm_overlap_pct": 100.0 * _intersection(comm, compute) / comm_ns if comm_ns else None,
             "exposed_ms_by_phase": by_phase}
 

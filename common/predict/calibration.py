@@ -57,7 +57,10 @@ def compute_mode(strategy: str, precision: str, tf32: bool = False) -> str:
     so it is never priced from an fp32 entry; on a CPU the flag changes no kernel and fp32 serves."""
     if precision not in ("fp16", "bf16"):
         return "tf32" if tf32 else "fp32"
-    pure = strategy == "half" or strategy.startswith(("deepspeed", "accelerate_deepspeed"))
+    from ..strategies import of
+
+    st = of(strategy)
+    pure = st is not None and st.half_weights
     return ("pure_" if pure else "amp_") + precision
 
 

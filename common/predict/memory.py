@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from ..models import fsdp_units, meta_model, model_facts, norm_numel  # noqa: F401  (re-exported)
 from ..runsetup import RunSetup
+from ..strategies import of, sized
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -47,11 +48,8 @@ DS_PREFETCH_BUCKET = 50_000_000
 DS_PERSISTENCE_THRESHOLD = 100_000
 DS_MAX_LIVE = 1_000_000_000
 
-# every strategy the project runs, as predict() and `benchmark.py advise` name them
-STRATEGIES = ("single", "half", "amp", "dp", "ddp", "ddp_zero", "fsdp_full-shard", "fsdp_shard-grad-op",
-              "fsdp_hybrid", "fsdp_full-shard_offload", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3",
-              "deepspeed_zero2_offload", "deepspeed_zero3_offload", "accelerate_ddp", "accelerate_fsdp",
-              "accelerate_deepspeed_zero1", "accelerate_deepspeed_zero2", "accelerate_deepspeed_zero3", "tp", "tp_fsdp")
+# every strategy the memory model sizes, as predict() and `benchmark.py advise` name them (common/strategies.py)
+STRATEGIES = sized()
 COMPONENTS = ("params", "grads", "optimizer", "master", "activations", "comm")
 
 
@@ -227,6 +225,29 @@ def backward_curve(model_name: str, image_size: int, batch: int, dtype: torch.dt
     (register_post_accumulate_grad_hook). ResNet's layer4 and fc hold most of the parameters and
     their gradients appear first, while layer1-3's activations are still alive: at small batches
     that sum, not max(activations, gradients), is the peak."""
+    model = _training_model(model_name, image_size, dtype, channels_last, tp)
+    params = list(model.parameters())
+    tracker = _BackwardTracker({_storage_key(t) for t in params + list(model.buffers())})
+    handles = [p.register_post_accumulate_grad_hook(tracker.accumulated) for p in params]
+    x = torch.empty(batch, 3, image_size, image_size, device="meta", dtype=dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), _fused_attention():
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits.float(), torch.zeros(batch, dtype=torch.long,
+                                                                                  device="meta"))
+            start = tracker.alive
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    total_params = sum(p.numel() for p in params)
+    return tuple((a / start if start else 0.0, g / total_params, f) for a, g, f in [(start, 0, 0), *tracker.curve])
+
+
+def _training_model(model_name: str, image_size: int, dtype: torch.dtype, channels_last: bool, tp: int) -> nn.Module:
+    """The meta-device model in its training dtype and layout, BatchNorm in fp32 as the scripts keep it."""
     model = meta_model(model_name, image_size=image_size, tp=tp).to(dtype=dtype)
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
@@ -234,55 +255,43 @@ def backward_curve(model_name: str, image_size: int, batch: int, dtype: torch.dt
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     model.train()
-    params = list(model.parameters())
-    owned = {_storage_key(t) for t in params + list(model.buffers())}
-    uses: dict[int, int] = {}
-    size: dict[int, int] = {}
-    state = {"alive": 0, "grads": 0, "flow": 0}
-    curve: list[tuple[int, int, int]] = []
-    total_params = sum(p.numel() for p in params)
+    return model
 
-    def pack(t):
+
+class _BackwardTracker:
+    """The saved storages alive, the parameters' gradients accumulated and the gradient flowing back, recorded
+    as (alive bytes, gradient elements, flowing bytes) at every unpack and accumulation of backward_curve."""
+
+    def __init__(self, owned: set):
+        self.owned, self.uses, self.size = owned, {}, {}
+        self.alive = self.grads = self.flow = 0
+        self.curve: list[tuple[int, int, int]] = []
+
+    def pack(self, t):
         key = _storage_key(t)
-        if key not in owned:
-            if key not in size:
-                size[key] = t.untyped_storage().nbytes()
-                state["alive"] += size[key]
-            uses[key] = uses.get(key, 0) + 1
+        if key not in self.owned:
+            if key not in self.size:
+                self.size[key] = t.untyped_storage().nbytes()
+                self.alive += self.size[key]
+            self.uses[key] = self.uses.get(key, 0) + 1
         return t
 
-    def unpack(t):
+    def unpack(self, t):
         key = _storage_key(t)
         # the gradient flowing back through this node has the shape of what it saved (a conv's
         # input, a ReLU's output): alive beside the saved tensors while the node runs
-        state["flow"] = t.untyped_storage().nbytes()
-        if key in uses:
-            uses[key] -= 1
-            if uses[key] == 0:
-                state["alive"] -= size.pop(key)
-                del uses[key]
-            curve.append((state["alive"], state["grads"], state["flow"]))
+        self.flow = t.untyped_storage().nbytes()
+        if key in self.uses:
+            self.uses[key] -= 1
+            if self.uses[key] == 0:
+                self.alive -= self.size.pop(key)
+                del self.uses[key]
+            self.curve.append((self.alive, self.grads, self.flow))
         return t
 
-    def accumulated(p):
-        state["grads"] += p.numel()
-        curve.append((state["alive"], state["grads"], state["flow"]))
-
-    handles = [p.register_post_accumulate_grad_hook(accumulated) for p in params]
-    x = torch.empty(batch, 3, image_size, image_size, device="meta", dtype=dtype)
-    if channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), _fused_attention():
-            logits = model(x)
-            loss = torch.nn.functional.cross_entropy(logits.float(), torch.zeros(batch, dtype=torch.long,
-                                                                                  device="meta"))
-            start = state["alive"]
-            loss.backward()
-    finally:
-        for h in handles:
-            h.remove()
-    return tuple((a / start if start else 0.0, g / total_params, f) for a, g, f in [(start, 0, 0), *curve])
+    def accumulated(self, p):
+        self.grads += p.numel()
+        self.curve.append((self.alive, self.grads, self.flow))
 
 
 def _curve(s: Setup) -> tuple:
@@ -375,37 +384,37 @@ def predict(s: Setup) -> Prediction:
     w = s.world_size
     slots = _opt_slots(s)
     p = Prediction(s, activations=activation_bytes(s), curve=_curve(s))
-    strat = s.strategy.removeprefix("accelerate_")
-    if strat in ("single", "amp", "dp", "ddp", "tp"):
+    st = of(s.strategy)
+    if st.family in ("single", "amp", "dp", "ddp", "tp"):
         # autocast keeps fp32 weights, gradients and optimizer state (torch/amp/autocast_mode.py casts per op)
         p.params = p.grads = 4 * n
         p.optimizer = 4 * slots * n + _step_bytes(s, tensors)
-    if strat == "half":  # pytorch_half_precision.py: model.to(half); SGD/AdamW state follows the param dtype
+    if st.family == "half":  # pytorch_half_precision.py: model.to(half); SGD/AdamW state follows the param dtype
         bn = norm_numel(s.model) if s.bn_fp32 else 0  # --bn-fp32: those weights, their grads and state in fp32
         per_slot = half * (n - bn) + 4 * bn
         p.params = p.grads = per_slot
         p.optimizer = slots * per_slot + _step_bytes(s, tensors)
-    if strat == "dp" and w > 1:
+    if st.family == "dp" and w > 1:
         # torch/nn/parallel/data_parallel.py: the whole batch lands on device 0 and is scattered from
         # there, outputs are gathered there, and replicate.py's Broadcast.backward reduces every
         # replica's gradients onto device 0 (comm.reduce_add_coalesced): one more gradient-sized buffer
         p.comm = 4 * n + 4 * s.batch_size * 3 * s.image_size ** 2
         p.notes.append("device 0 holds the whole input batch and the reduced gradients")
-    if strat == "ddp":
+    if st.family == "ddp":
         # torch/nn/parallel/distributed.py: with gradient_as_bucket_view=False (the default, used here)
         # the Reducer keeps its flat bucket buffers (bucket_cap_mb=25 MiB each, covering every
         # parameter) beside param.grad: "the saved memory size will be equal to the total gradients size"
         p.comm = 4 * n
-    if strat == "ddp_zero":
+    if st.family == "ddp_zero":
         # DDP as above; ZeroRedundancyOptimizer shards only the optimizer state, by whole parameters
         p.params = p.grads = p.comm = 4 * n
         numel, count = _zero1_max_rank(shapes, w)
         p.optimizer = 4 * slots * numel + _step_bytes(s, count)
-    if strat.startswith("fsdp") or strat == "tp_fsdp":
+    if st.fsdp:
         # tp_fsdp: FSDP2 over the dp ranks of each tensor-parallel rank's local shards (pytorch_TP.py), without
         # a MixedPrecisionPolicy (bf16 is autocast there): units gathered and reduced in fp32
-        p = _fsdp(s, p, units, tensors, slots, 4 if strat == "tp_fsdp" else half)
-    if strat.startswith("deepspeed"):
+        p = _fsdp(s, p, units, tensors, slots, 4 if st.family == "tp_fsdp" else half)
+    if st.deepspeed:
         p = _deepspeed(s, p, units, shapes, n, slots, half)
     return p
 
@@ -415,9 +424,8 @@ def _fsdp(s: Setup, p: Prediction, units, tensors, slots, half) -> Prediction:
     config/default_FSDP.yml: full shard, no offload). Sharded parameters stay fp32 (they are the master
     weights: MixedPrecisionPolicy casts only the all-gathered copy to param_dtype), gradients are
     reduce-scattered in fp32 (reduce_dtype), the optimizer steps on the local shards."""
-    strat = s.strategy.removeprefix("accelerate_")
-    mode = "full-shard" if strat in ("fsdp", "tp_fsdp") else strat.split("_")[1]
-    offload = strat.endswith("_offload")
+    st = of(s.strategy)
+    mode, offload = st.sharding, st.offload
     shard_world = (s.local_world_size or s.world_size) if mode == "hybrid" else s.dp
     shard = sum(_fsdp_shard_numel(u, shard_world) for u in units)
     gathered = [half * sum(_numel(sh) for sh in u) for u in units]
@@ -464,9 +472,8 @@ def _deepspeed(s: Setup, p: Prediction, units, shapes, n, slots, half) -> Predic
     stage3_param_persistence_threshold, which stay whole on every rank).
     Offload (offload_optimizer/offload_param device cpu): the fp32 copy, optimizer state (and for
     stage 3 the parameter partitions) in host memory."""
-    strat = s.strategy.removeprefix("accelerate_")
-    stage = int(strat.split("zero")[1][0])
-    offload = strat.endswith("_offload")
+    st = of(s.strategy)
+    stage, offload = st.zero_stage, st.offload
     w = s.world_size
     z = s.zero
     part = _ds_partition(n, w, half)

@@ -5,51 +5,15 @@ from __future__ import annotations
 import math
 
 from ..models import meta_model, model_facts
-
-# --- the expected volume: S per optimizer step per rank, in units of the parameter bytes B ---
-# Sources: nccl-tests doc/PERFORMANCE.md (S and the bus factors); ZeRO (Rajbhandari et al. 2020,
-# section 7): DDP and ZeRO-1/2 move 2B on the wire per rank (reduce-scatter + all-gather, or the
-# all-reduce that is both), ZeRO-3 3B (parameters gathered in forward and again in backward).
-# In S terms (what the column counts): an all-reduce of the gradients is S = B.
-# Weights travel (gathers, broadcasts) and gradients travel (reductions) in their own dtypes under
-# mixed precision, so each strategy's S is split into the two.
-EXPECTED = [  # (strategy prefix, weights x B, gradients x B, what is sent), first match wins
-    ("dp", 1.0, 1.0, "broadcast the weights to every GPU + reduce the gradients to GPU 0 (torch.cuda.comm)"),
-    ("ddp_zero", 1.0, 1.0, "all-reduce the gradients + broadcast each rank's updated shard"),
-    ("ddp", 0.0, 1.0, "all-reduce the gradients"),
-    ("accelerate_ddp", 0.0, 1.0, "all-reduce the gradients"),
-    ("fsdp_full-shard", 2.0, 1.0, "all-gather forward + all-gather backward + reduce-scatter the gradients"),
-    ("fsdp_shard-grad-op", 1.0, 1.0, "all-gather forward + reduce-scatter the gradients"),
-    ("accelerate_fsdp", 2.0, 1.0, "full-shard (config/default_FSDP.yml): 2 all-gathers + reduce-scatter"),
-    ("deepspeed_zero0", 0.0, 1.0, "all-reduce the gradients"),
-    # DeepSpeed 0.19 all-reduces each gradient bucket (average_tensor, use_multi_rank_bucket_allreduce on by
-    # default): the same S as a reduce-scatter, twice its bytes per link
-    ("deepspeed_zero1", 1.0, 1.0, "all-reduce the gradient buckets + all-gather the updated weights"),
-    ("deepspeed_zero2", 1.0, 1.0, "all-reduce the gradient buckets + all-gather the updated weights"),
-    # stage 3 keeps a module's gathered weights for backward when their reuse comes within
-    # stage3_max_reuse_distance elements (1e9 by default: any model under 500M parameters), and gathers the
-    # persistent ones (stage3_param_persistence_threshold) after the step (stage3.py _post_step)
-    ("deepspeed_zero3", 1.0, 1.0, "all-gather the weights once (kept for backward) + reduce-scatter the gradients"),
-    ("accelerate_deepspeed_zero1", 1.0, 1.0, "as deepspeed_zero1"),
-    ("accelerate_deepspeed_zero2", 1.0, 1.0, "as deepspeed_zero2"),
-    ("accelerate_deepspeed_zero3", 1.0, 1.0, "as deepspeed_zero3"),
-]
-
-
-# strategies that gather the weights for every forward (and backward): with --grad-accum N that is N
-# times per optimizer step, while the gradients are reduced once (FSDP2's set_requires_gradient_sync
-# in pytorch_FSDP.py and accelerate's no_sync, as DDP's no_sync); ZeRO-1/2 gather updated weights
-# once, after the step
-GATHER_PER_MICROBATCH = ("fsdp_", "accelerate_fsdp", "deepspeed_zero3", "accelerate_deepspeed_zero3")
+from ..strategies import of
 
 
 def expected_factors(strategy: str) -> tuple[float, float] | None:
-    """(weights, gradients) sent per step in parameter counts for a row's strategy (None: not
-    modelled, e.g. hybrid sharding)."""
-    for prefix, weights, grads, _ in EXPECTED:
-        if strategy == prefix or strategy.startswith(prefix + "_"):
-            return weights, grads
-    return None
+    """(weights, gradients) sent per step in parameter counts for a row's strategy (common/strategies.py sends;
+    None: not modelled, e.g. hybrid sharding). Weights travel (gathers, broadcasts) and gradients travel
+    (reductions) in their own dtypes under mixed precision, so each strategy's S is split into the two."""
+    st = of(strategy)
+    return None if st is None else st.sends
 
 
 def comm_element_bytes(precision: str, strategy: str) -> tuple[int, int]:
@@ -60,7 +24,8 @@ def comm_element_bytes(precision: str, strategy: str) -> tuple[int, int]:
         return 2, 2
     if precision.startswith("mp_"):
         return 2, 4  # pytorch_FSDP.py: MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32)
-    if precision in ("fp16", "bf16") and strategy.startswith("accelerate_fsdp"):
+    st = of(strategy)
+    if precision in ("fp16", "bf16") and st is not None and st.fsdp and st.library == "accelerate":
         # accelerate's FullyShardedDataParallelPlugin.set_mixed_precision: param_dtype = reduce_dtype
         return 2, 2
     return 4, 4  # fp32, and autocast (amp_*, accelerate DDP's plain label): fp32 weights and gradients
@@ -71,7 +36,7 @@ def expected_bytes(strategy: str, precision: str, params: int, grad_accum: int =
     if factors is None:
         return None
     (weights, grads), (w_bytes, g_bytes) = factors, comm_element_bytes(precision, strategy)
-    if strategy.startswith(GATHER_PER_MICROBATCH):
+    if of(strategy).gathers_per_microbatch:
         weights *= grad_accum
     return params * (weights * w_bytes + grads * g_bytes)
 
