@@ -37,9 +37,12 @@ from common.config import TrainConfig  # noqa: E402
 from common.measure.fingerprint import device_name  # noqa: E402
 from common.measure.stepparts import StepParts  # noqa: E402
 from common.measure.steptime import StepTimes  # noqa: E402
-from common.predict.calibration import key  # noqa: E402
-from common.predict.memory import Setup  # noqa: E402
-from common.predict.timepred import TimePrediction  # noqa: E402
+from common.predict import timepred  # noqa: E402
+from common.predict.calibration import (
+    key,  # noqa: E402
+    load,  # noqa: E402
+)
+from common.runsetup import RunSetup  # noqa: E402
 
 
 class SleepySamples(torch.utils.data.Dataset):
@@ -60,8 +63,7 @@ def run(a) -> dict:
     """One fit() over the sleeping loader: its row and the probed rate."""
     got = {}
 
-    def instruments(cfg, model, hooks, m, loader_img_s=None, *_):
-        got["rate"] = loader_img_s
+    def instruments(cfg, model, hooks, m, *_):
         got.setdefault("parts", [StepTimes(hooks.device), StepParts(hooks.device)])
         return got["parts"]
 
@@ -75,7 +77,7 @@ def run(a) -> dict:
     hooks = train.TrainHooks(lambda loss: loss.backward(), lambda: (opt.step(), opt.zero_grad()),
                              torch.device("cpu"), ctx=nullcontext(), evaluate=lambda *_a, **_k: (0.5, 10))
     row = train.fit(cfg, model, loader, None, hooks).extra
-    return {**row, "rate": got["rate"]}
+    return {**row, "rate": row["loader_img_s"]}
 
 
 def predict(a, row: dict, folder: str):
@@ -87,9 +89,10 @@ def predict(a, row: dict, folder: str):
         json.dump({"device_name": device_name(torch.device("cpu")), "links": {}, "compute": {
             key("resnet18", 32, a.batch, "fp32", "sgd", 1, torch.get_num_threads()):
                 {"fwd_ms": half, "bwd_ms": half, "opt_ms": row["step_optimizer_ms"]}}}, fh)
-    setup = Setup(model="resnet18", image_size=32, batch_size=a.batch, world_size=1, strategy="single")
-    pred, why = TimePrediction(TrainConfig(calibration=cal, workers=a.workers, batch_size=a.batch), setup,
-                               torch.device("cpu"), None, row["rate"], "single").predict()
+    run = RunSetup(script="pytorch_SingleGPU.py", strategy="single", precision="fp32", model="resnet18",
+                   image_size=32, batch_size=a.batch, world_size=1, workers=a.workers, device="cpu",
+                   device_name=device_name(torch.device("cpu")), threads=torch.get_num_threads())
+    pred, why = timepred.predict(run, load(cal), cal, row["rate"])
     if pred is None:
         sys.exit(f"loader_bound.py: no prediction: {why}")
     return pred

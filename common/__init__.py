@@ -2,16 +2,23 @@
 
     config        typed configuration by concern (EvalConfig, TrainConfig, DistributedConfig)
     registry      the one table of scripts: strategy, launcher, precisions, configs
+    strategies    the one table of strategies: what the models and advise need of each
+    runsetup      what a run is, decided once by the runner, written to the row and read back from it
+    launching     the environment and rendezvous port of every process started from another
     data, models  CIFAR10 / synthetic loaders; torchvision classifiers with a 10-class head
     distributed   process group from the launcher's environment; collectives on the run's device
     precision     dtype, autocast, GradScaler step; optim: optimizer and schedule
     train         the train loop (fit), its timed window and evaluation
     checkpoint    resumable state per strategy, the final weights
     pipeline      a ResNet split at its stages (model and pipeline parallelism), weights gathered back
-    runner        what happens around every script's main(): config, row, exit code
+    runner        what happens around every script's main(): config, row, its predictions, exit code
     results       the CSV; report: the Markdown report
     fastexit      exit without the final garbage-collector walk (0.7-0.8 s a process)
     measure/      the instruments: probes, fingerprint, loader, ...
+    predict/      the models: memory, expected volume, step time, as functions of a row and a calibration
+    bench/        benchmark.py's subcommands
+
+What each layer may import from: tests/test_imports.py LAYERS.
 """
 from . import fastexit  # noqa: F401  (first: see its docstring)
 

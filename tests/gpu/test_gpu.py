@@ -6,6 +6,7 @@ Written and reviewed against the libraries' sources without a GPU to run them on
 the first contact of the CUDA paths with hardware, and says exactly which invariant broke.
 """
 import os
+import shutil
 import subprocess
 import sys
 
@@ -317,7 +318,9 @@ def test_calibrated_step_model_predicts_single_and_ddp(tmp_path):
         runs.append(("pytorch_DDP.py", world, {"world": world}))
     for script, nproc, over in runs:
         out = tmp_path / script[:-3]
-        args = gpu_args(out, calibration=str(cal), max_steps=20, train_samples=32 * world * 20, **over)
+        out.mkdir()
+        shutil.copy(cal, out / "calibration.json")  # the runner predicts from the calibration beside the results
+        args = gpu_args(out, max_steps=20, train_samples=32 * world * 20, **over)
         check_ok(run(script, args, nproc=nproc, launcher="torchrun" if nproc > 1 else "python"))
         (row,) = rows(out / "summary.csv")
         err = as_float(row, "pred_time_error_pct")
