@@ -240,7 +240,7 @@ def test_doctor_on_cpu(tmp_path):
     for script, r in got.items():
         expected = "skipped" if BY_FILE[script].needs_cuda else "ok"  # accelerate's FSDP needs CUDA
         assert r["status"] == expected, (script, r["status"], r["error"])
-    assert "step 4/4" in out and "img/s" in out  # live progress
+    assert "step=4/4" in out and "img_s=" in out  # live progress: the runs' own lines, echoed
     report = (tmp_path / "REPORT.md").read_text()
     assert "smoke/pytorch_DeepSpeed" in report and "Published figures" in report and "Tesla P40" in report
     charts = os.listdir(tmp_path / "charts")
