@@ -17,8 +17,8 @@ from dataclasses import replace
 
 from ..config import UsageError
 from ..names import classification_models
+from ..predict.links import LINKS
 from ..predict.memory import GIB, STRATEGIES, Setup, predict
-from ..predict.timespec import LINKS
 
 HEADROOM = 0.9  # the prediction leaves out the allocator's cache, workspaces and the CUDA context
 SINGLE = ("single", "half", "amp")
@@ -42,11 +42,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
                              "--interconnect or --busbw-gbps")
     t.add_argument("--calibration", default="", help="benchmark.py calibrate's file: this machine's measured inputs")
     t.add_argument("--gpu", default="", help="a GPU by its datasheet name (as torch names it), e.g. 'Tesla P40', "
-                   "'NVIDIA A100-SXM4-80GB': compute = FLOPs / (peak x a published efficiency)")
+                   "'NVIDIA A100-SXM4-80GB': compute by roofline from its datasheet (with --calibration: the "
+                   "calibrated GPU's compute carried to this one)")
     t.add_argument("--interconnect", default="", help="named link between the GPUs: " + ", ".join(LINKS))
     t.add_argument("--busbw-gbps", type=float, default=0.0, help="bus bandwidth of the collectives, GB/s")
+    t.add_argument("--gpus-per-node", type=int, default=0, help="GPUs a node holds when --gpus spans nodes (joined "
+                   "by --inter-node, a hierarchical all-reduce); default: one node")
+    t.add_argument("--inter-node", default="ib200", help="link between nodes: ib200 or ib400 (one NIC per GPU)")
+    t.add_argument("--channels-last", action="store_true", help="NHWC model and inputs, as the scripts' flag")
     t.add_argument("--dataset-images", type=int, default=50_000, help="images per epoch (CIFAR10's 50,000)")
-    p.add_argument("--precision", default="fp32", help="fp32, or fp16/bf16 mixed precision")
+    t.add_argument("--eval-images", type=int, default=10_000, help="images of the evaluation pass each epoch s "
+                   "includes (CIFAR10's test set, 10,000; 0: none)")
+    t.add_argument("--loader-img-s", type=float, default=0.0, help="the loader's rate, images/s, summed over ranks: "
+                   "a step is never faster than global batch / it")
+    p.add_argument("--precision", default="fp32", help="fp32 (strict, as the scripts run it), tf32 (fp32 with "
+                   "--tf32), or fp16/bf16 mixed precision")
     p.add_argument("--optimizer", default="sgd", help="sgd (momentum) or adamw")
     p.add_argument("--grad-checkpointing", action="store_true", help="predict with activation checkpointing")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree of the tp_fsdp row (pytorch_TP.py on a "
@@ -67,6 +77,11 @@ def check(opts) -> None:
         raise UsageError(f"--gpu {opts.gpu!r} is not in the datasheet table; one of: {', '.join(gpu_names())}")
     if opts.interconnect and opts.interconnect not in LINKS:
         raise UsageError(f"--interconnect {opts.interconnect!r} unknown; one of: {', '.join(LINKS)}")
+    if opts.inter_node not in ("ib200", "ib400"):
+        raise UsageError(f"--inter-node {opts.inter_node!r}: ib200 or ib400")
+    for name in ("gpus_per_node", "eval_images", "loader_img_s"):
+        if getattr(opts, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(opts, name)}")
     if opts.gpu_memory_gib is None and opts.gpu:
         opts.gpu_memory_gib = GPU_MEMORY_GIB[opts.gpu]
     if opts.gpu_memory_gib is None:
@@ -78,8 +93,11 @@ def check(opts) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(opts, name)}")
     if opts.gpu_memory_gib <= 0:
         raise UsageError(f"--gpu-memory-gib must be > 0; got {opts.gpu_memory_gib}")
-    if opts.precision not in ("fp32", "fp16", "bf16"):
-        raise UsageError(f"--precision must be fp32, fp16 or bf16; got {opts.precision!r}")
+    if opts.precision not in ("fp32", "tf32", "fp16", "bf16"):
+        raise UsageError(f"--precision must be fp32, tf32, fp16 or bf16; got {opts.precision!r}")
+    # tf32 is fp32 storage with TF32 math (the scripts' --tf32): the memory model's fp32
+    opts.tf32, opts.math = opts.precision == "tf32", opts.precision
+    opts.precision = "fp32" if opts.tf32 else opts.precision
     if opts.optimizer not in ("sgd", "adamw"):
         raise UsageError(f"--optimizer must be sgd or adamw; got {opts.optimizer!r}")
     for g in opts.gpu_counts:
@@ -90,6 +108,7 @@ def check(opts) -> None:
 def setups(opts) -> list[Setup]:
     base = Setup(model=opts.model, image_size=opts.image_size, batch_size=opts.batch_size, world_size=opts.gpus,
                  precision=opts.precision, optimizer=opts.optimizer, grad_checkpointing=opts.grad_checkpointing,
+                 channels_last=getattr(opts, "channels_last", False),
                  zero={"reduce_bucket_size": 50_000_000, "overlap_comm": True, "contiguous_gradients": True,
                        "stage3_param_persistence_threshold": 100_000})  # config/zero_stage*_config.json
     half = opts.precision if opts.precision != "fp32" else "fp16"
@@ -175,7 +194,7 @@ def advise(opts) -> int:
     check(opts)
     g = opts.gpu_memory_gib
     print(f"{opts.model} {opts.image_size}px, global batch {opts.batch_size}, {opts.gpus} GPU(s) of {g:g} GiB, "
-          f"{opts.precision}, {opts.optimizer}{', grad checkpointing' if opts.grad_checkpointing else ''}: "
+          f"{opts.math}, {opts.optimizer}{', grad checkpointing' if opts.grad_checkpointing else ''}: "
           f"predicted GiB per GPU (busiest rank)")
     cols = ("params", "grads", "optimizer", "master", "activations", "comm")
     print(f"{'strategy':<24}{'gpus':>5}{'prec':>6}" + "".join(f"{c[:6]:>8}" for c in cols)

@@ -5,7 +5,7 @@
 Built from the model itself, as the memory model is: its units (a ResNet's stem, every block, the
 head; other families one unit) with their share of the forward FLOPs (torch.utils.flop_counter on
 the meta device) and their parameters in registration order. The forward and backward times of one
-micro-batch (measured by `benchmark.py calibrate`, or FLOPs / (peak x efficiency) for a GPU named
+micro-batch (measured by `benchmark.py calibrate`, or the roofline of roofline.py for a GPU named
 to `advise`) are spread over the units by that share, or by a ResNet's measured pieces (time_shares).
 Then each strategy's collectives are put where its library issues them, and a two-resource schedule
 (compute, communication) runs them in program order; a collective starts when its inputs are ready and
@@ -72,14 +72,15 @@ FSDP's, ZeRO's and DeepSpeed's collectives (their rows' comm_overlap_pct is 0, Z
 nothing is hidden.
 DDP's buckets are the exception: gloo all-reduces them on its own threads beside the backward (62-84%
 overlapped in the Xeon grids), which then loses CPU_BESIDE_COST of the time they hide, a fitted share.
-On a GPU NCCL kernels run beside compute kernels: overlap=True.
+On a GPU NCCL kernels run beside compute kernels: overlap=True, the compute losing the SMs they hold for the time
+they hide under it (Link.sm_share, 0 where not known: a calibration's links).
 
 Components, as the measured step_*_ms columns: data, compute (forward + backward), comm_exposed (the
 schedule's length beyond compute, plus the collectives after the optimizer), optimizer.
 A unit's share of the forward and backward time is its FLOP share, or for a ResNet its piece's measured
 share (calibrate times the four pieces) spread by FLOPs: when a bucket is ready (time_shares).
-Known limits: no kernel-level contention between overlapped collectives and compute (NCCL takes
-SMs; on a CPU one fitted share for DDP), per-unit (not per-layer) readiness, the loader as measured
+Known limits: contention between overlapped collectives and compute is their SMs' share on a GPU (not the HBM
+they move) and one fitted share for DDP on a CPU, per-unit (not per-layer) readiness, the loader as measured
 (added inline, a bound with workers: timepred.py), no host overhead of a wrapper (DeepSpeed's hooks)
 beyond what the calibration's plain model shows.
 """
@@ -126,6 +127,10 @@ class Compute:
     # a distributed script's own collectives at world size 1, exposed (calibration.py own_comm_ms): what a
     # one-process run of the strategy adds to this compute; n ranks pay their link's collectives instead
     own_comm_ms: float = 0.0
+    # DataParallel on GPUs (_dp_gpu): the host's time to launch one replica's forward (its threads take turns
+    # at the GIL) and the global batch's bytes that GPU 0 scatters to the others
+    launch_fwd_ms: float = 0.0
+    scatter_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,9 @@ class Link:
     # what a collective costs a step beyond its time above when the ranks come to it from their own work
     # (benchmarks/collectives.py --meet): once per meeting, a run of collectives with compute before it
     meet_ms: float = 0.0
+    # on a GPU, the share of its SMs a collective's kernels hold while they run (links.sm_share): the compute it
+    # overlaps loses that share of the time it hides under it (_gpu_contention); 0 on a CPU and in calibrations
+    sm_share: float = 0.0
 
     def ms(self, kind: str, nbytes: float, n: int) -> float:
         if n <= 1 or nbytes <= 0:
@@ -341,6 +349,39 @@ def _forward_backward(s: _Schedule, us, c: Compute, shares=None) -> tuple[list[i
     return fwd, bwd
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What every strategy's schedule reads: the setup, its units, one rank's compute and the link."""
+    setup: Setup
+    st: str
+    us: tuple
+    c: Compute
+    link: Link
+    overlap: bool
+    shares: tuple
+    w_bytes: int  # bytes of a weight element the collectives move
+    g_bytes: int  # of a gradient element
+
+    @property
+    def n(self) -> int:
+        return self.setup.world_size
+
+    @property
+    def numel(self) -> int:
+        return sum(sum(u.params) for u in self.us)
+
+
+def _wire_bytes(setup: Setup, st: str) -> tuple[int, int]:
+    """(weight, gradient) element bytes on the wire: DeepSpeed's in its half type, FSDP's mixed precision gathers
+    2-byte weights and reduces in fp32 (pytorch_FSDP.py reduce_dtype; accelerate FSDP in half), the rest fp32."""
+    w_bytes = ITEMSIZE.get(setup.precision, 4) if st.startswith(("deepspeed", "accelerate_deepspeed")) else 4
+    g_bytes = w_bytes
+    if setup.precision in ("fp16", "bf16") and st.startswith(("fsdp", "accelerate_fsdp")):
+        w_bytes = 2
+        g_bytes = 2 if st.startswith("accelerate_fsdp") else 4
+    return w_bytes, g_bytes
+
+
 def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strategy: str | None = None,
                  microbatches: int = 1, stages: list[int] | None = None,
                  pieces: list | None = None) -> StepPrediction:
@@ -351,17 +392,12 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     st = strategy or setup.strategy
     n = setup.world_size
     us = units(setup.model, setup.image_size)
-    numel = sum(sum(u.params) for u in us)
-    w_bytes = ITEMSIZE.get(setup.precision, 4) if st.startswith(("deepspeed", "accelerate_deepspeed")) else 4
-    g_bytes = w_bytes
-    half = setup.precision in ("fp16", "bf16")
-    if half and st.startswith(("fsdp", "accelerate_fsdp")):
-        w_bytes = 2  # gathered in param_dtype; reduced in fp32 (pytorch_FSDP.py reduce_dtype)
-        g_bytes = 2 if st.startswith("accelerate_fsdp") else 4
     p = StepPrediction(data_ms=c.data_ms * setup.grad_accum)
     if st.startswith("pp_"):
         return _pipeline(p, us, c, link, overlap, n, microbatches, stages or [], setup, pieces, st)
-    shares = time_shares(us, pieces)
+    if st in ("tp", "tp_fsdp") and n > 1:
+        return _tensor_parallel(p, setup, c, link, overlap)
+    run = _Run(setup, st, us, c, link, overlap, time_shares(us, pieces), *_wire_bytes(setup, st))
     # DDP's buckets go out beside the backward on a CPU too: the Reducer hands each to the process group
     # and waits for them all only at the backward's end (reducer.cpp finalize_backward), and gloo runs an
     # all-reduce on its own worker threads (ProcessGroupGloo enqueue -> runLoop), not the caller's. The rows
@@ -369,107 +405,39 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     # and DeepSpeed ZeRO-1/2, whose collectives the training thread waits on.
     beside = not overlap and st in DDP_WRAPPED and n > 1
     s = _Schedule(overlap or beside, link.meet_ms if n > 1 else 0.0)
-    accum = setup.grad_accum
-    for _ in range(accum - 1):  # micro-batches before the last: no gradient communication (no_sync)
-        _forward_backward(s, us, c, shares)
-    shard = 1.0
-    post = 0.0  # collectives outside the backward (before the forward, after the optimizer step), exposed
-    post_calls = 0  # the number of those collectives
-    meets = 0  # the meetings among them: a run of collectives with compute before it
+    for _ in range(setup.grad_accum - 1):  # micro-batches before the last: no gradient communication (no_sync)
+        _forward_backward(s, us, c, run.shares)
+    # shard: the optimizer's share of the parameters; post: collectives outside the backward (before the
+    # forward, after the optimizer step), exposed; post_calls: their number (None: not counted); meets: the
+    # meetings among them, a run of collectives with compute before it
     if st in ("single", "half", "amp") or n == 1:
         # DataParallel over one GPU calls its module and returns (torch/nn/parallel/data_parallel.py
         # forward: len(self.device_ids) == 1): no weights broadcast, no gradients reduced
-        _forward_backward(s, us, c, shares)
+        _forward_backward(s, us, c, run.shares)
+        shard, post, post_calls, meets = 1.0, 0.0, 0, 0
     elif st == "dp":
-        post_calls = None  # torch.cuda.comm's copies, not a process group's collectives
-        _forward_backward(s, us, c, shares)
-        post = link.ms("broadcast", numel * 4, 2) + link.ms("reduce", numel * 4, 2)  # torch.cuda.comm, per GPU
+        shard, post, post_calls, meets = _dp(s, run)
     elif st in ("ddp", "accelerate_ddp", "ddp_zero", "deepspeed_zero0"):
-        _, bwd = _forward_backward(s, us, c, shares)
-        params = [(i, x) for i, u in enumerate(us) for x in u.params]
-        prev = ()
-        if st == "deepspeed_zero0":
-            # no hooks: engine.backward -> allreduce_gradients -> buffered_allreduce_fallback after the whole
-            # backward, in buffers of MEMORY_OPT_ALLREDUCE_SIZE (5e8) elements (deepspeed/runtime/engine.py)
-            buckets = [(0, b) for _, b in _buckets(params, g_bytes, DS_ALLREDUCE_ELEMENTS * g_bytes,
-                                                    DS_ALLREDUCE_ELEMENTS * g_bytes)]
-        else:
-            buckets = _buckets(params, g_bytes, FIRST_BUCKET_BYTES, BUCKET_BYTES)
-        for unit, nbytes in buckets:
-            prev = (s.add("comm", link.ms("all_reduce", nbytes, n), (bwd[unit], *prev)),)
-        if st in DDP_WRAPPED:  # not DeepSpeed's ZeRO-0: its engine broadcasts the weights once, at start-up
-            # before every forward that follows a synchronizing backward DDP broadcasts rank 0's buffers
-            # (distributed.py _pre_forward -> _sync_buffers; forward_sync_buffers, formerly broadcast_buffers,
-            # on by default; under no_sync only the first micro-batch's: require_forward_param_sync), in 250
-            # MiB buckets of one dtype each, at most 2 in flight (c10d comm.cpp broadcast_coalesced): gloo's
-            # two threads run them at once. The forward reads them; the ranks come from the loader: a meeting
-            groups = buffer_groups(setup.model, setup.image_size)
-            post += _issued_together([link.ms("broadcast", b, n) for b in groups], overlap)
-            post_calls, meets = len(groups), 1 if groups else 0
-        if st == "ddp_zero":
-            shard = 1.0 / n
-            # one per parameter (bus factor 1), issued with async_op=True and waited together
-            # (ZeroRedundancyOptimizer._broadcast_params_from_rank)
-            post += _issued_together([link.ms("broadcast", x * w_bytes, n) for _, x in params], overlap)
-            post_calls += len(params)
-            meets += 1  # issued back to back
+        shard, post, post_calls, meets = _ddp(s, run)
     elif st.startswith(("fsdp_full-shard", "fsdp_shard-grad-op", "fsdp_hybrid", "accelerate_fsdp",
                         "deepspeed_zero3", "accelerate_deepspeed_zero3")):
-        shard = 1.0 / n
-        regather, persist, bucket, prefetch = not st.startswith("fsdp_shard-grad-op"), 0, 0, 0
-        if st.startswith(("deepspeed", "accelerate_deepspeed")):
-            z = setup.zero
-            # partitioned_param_coordinator.__params_to_release: a module's weights stay gathered after its
-            # forward when they are used again within stage3_max_reuse_distance elements of the trace
-            # (forward then backward: at most 2 x the model's); parameter_offload.mark_persistent_parameters:
-            # weights of at most stage3_param_persistence_threshold elements stay whole through forward and
-            # backward (gathered after the step, below), not gathered per unit; stage3.py
-            # reduce_independent_p_g_buckets_and_remove_grads: gradients reduce-scattered per reduce_bucket_size
-            regather = 2 * numel > int(z.get("stage3_max_reuse_distance", DS_REUSE_DISTANCE))
-            persist = int(z.get("stage3_param_persistence_threshold", DS_PERSISTENCE))
-            bucket = int(z.get("reduce_bucket_size", DS_REDUCE_BUCKET)) * g_bytes
-            # partitioned_param_coordinator.fetch_sub_module: the queue prefetched up to this many elements
-            # (0: no prefetch, each module gathers its own: priced per unit)
-            prefetch = int(z.get("stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET))
-        _fsdp(s, us, c, link, n, w_bytes, g_bytes, regather, persist, bucket, prefetch, shares)
-        if st.startswith(("deepspeed", "accelerate_deepspeed")):
-            post, meets, post_calls = link.ms("all_reduce", 4, n), 1, 1  # the norm (stage3.py _get_norm_groups)
-            # the persistent weights' optimizer state is partitioned too: stage3.py _post_step all-gathers
-            # them after every step, one all_gather_into_tensor per parameter issued async and then waited
-            # in order (partition_parameters.py _allgather_params_coalesced), as DDP+ZeRO's broadcasts
-            kept = [x for u in us for x in u.params if x <= persist]
-            if kept:
-                post, meets = post + _issued_together([link.ms("all_gather", x * w_bytes, n) for x in kept], overlap), 2
-                post_calls += len(kept)
-            if setup.precision == "fp16":  # stage3.py _overflow_check_and_loss_scale_update: fp16 only
-                post, post_calls = post + link.ms("all_reduce", 4, n), post_calls + 1
+        shard, post, post_calls, meets = _sharded(s, run)
     elif st.startswith(("deepspeed_zero1", "deepspeed_zero2", "accelerate_deepspeed_zero1",
                         "accelerate_deepspeed_zero2")):
-        _, bwd = _forward_backward(s, us, c, shares)
-        params = [(i, x) for i, u in enumerate(us) for x in u.params]
-        z = setup.zero
-        cap = int(z.get("reduce_bucket_size", DS_REDUCE_BUCKET)) * g_bytes
-        # average_tensor: reduce_scatter=False all-reduces the whole bucket whatever the other option says
-        kind = "reduce" if z.get("reduce_scatter", True) and not z.get("use_multi_rank_bucket_allreduce", True) \
-            else "all_reduce"
-        # overlap_comm defaults to stage 3 only (zero/config.py overlap_comm_valid): without it ZeRO-1 reduces
-        # after the backward (engine.allreduce_gradients), and ZeRO-2's hooks reduce on the compute stream
-        hidden = bool(z.get("overlap_comm", False))
-        prev = ()
-        for unit, nbytes in _buckets(params, g_bytes, cap, cap):
-            prev = (s.add("comm", link.ms(kind, nbytes, n), (bwd[unit if hidden else 0], *prev)),)
-        shard = 1.0 / n
-        post = link.ms("all_gather", numel * w_bytes, n) + link.ms("all_reduce", 4, n)  # + the gradient norm
-        meets, post_calls = 2, 2  # the norm after its computation, the gather after the optimizer
-        if half:  # check_overflow's all-reduce (engine.py: fp16 always, bf16 by default; not fp32)
-            post, post_calls = post + link.ms("all_reduce", 4, n), post_calls + 1
-    elif st in ("tp", "tp_fsdp"):
-        return _tensor_parallel(p, setup, c, link, overlap)
+        shard, post, post_calls, meets = _zero12(s, run)
     else:
-        _forward_backward(s, us, c, shares)
-        post_calls = None
+        _forward_backward(s, us, c, run.shares)
+        shard, post, post_calls, meets = 1.0, 0.0, None, 0
         p.notes.append(f"{st}: no communication model; compute and optimizer only")
-    compute = (c.fwd_ms + c.bwd_ms) * accum
+    return _finish(p, s, run, beside, shard, post, post_calls, meets)
+
+
+def _finish(p: StepPrediction, s: _Schedule, run: _Run, beside: bool, shard: float, post: float,
+            post_calls: int | None, meets: int) -> StepPrediction:
+    """The prediction's components from the schedule: compute, what the schedule runs past it (exposed), the
+    collectives outside the backward, the ranks' skew, and the optimizer on its share."""
+    c, n, st = run.c, run.n, run.st
+    compute = (c.fwd_ms + c.bwd_ms) * run.setup.grad_accum
     synced = n > 1 and st not in ("single", "half", "amp", "dp")  # dp: one process
     exposed = max(0.0, s.length - compute)
     if beside:
@@ -477,6 +445,8 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
         # gloo's threads share: fitted, not derived (docs/time-model.md "DDP's buckets on a CPU"), on the hidden
         # meetings' waits too, as it was fitted
         compute += CPU_BESIDE_COST * max(0.0, s.comm - exposed)
+    elif run.overlap:
+        compute += _gpu_contention(s, exposed, run.link)
     p.compute_ms = compute
     post += meets * s.meet_ms
     own = c.own_comm_ms if n == 1 else 0.0
@@ -487,6 +457,134 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     return p
 
 
+def _dp(s: _Schedule, run: _Run) -> tuple:
+    """DataParallel: one process; the whole fp32 model's weights broadcast and gradients reduced each step
+    (torch.cuda.comm, per GPU), exposed; on GPUs also its scatter and its launches (_dp_gpu)."""
+    link, n = run.link, run.n
+    _forward_backward(s, run.us, run.c, run.shares)
+    post = link.ms("broadcast", run.numel * 4, 2) + link.ms("reduce", run.numel * 4, 2)
+    if run.overlap:
+        post += _dp_gpu(run.c, link, n)
+    return 1.0, post, None, 0  # torch.cuda.comm's copies, not a process group's collectives
+
+
+def _ddp(s: _Schedule, run: _Run) -> tuple:
+    """DDP, accelerate DDP, DDP + ZeroRedundancyOptimizer and DeepSpeed's ZeRO-0: gradient buckets all-reduced
+    as they are ready (ZeRO-0: after the whole backward), DDP's buffers broadcast before the next forward, and
+    DDP+ZeRO's parameters broadcast from their owners after its sharded step."""
+    st, link, n, g_bytes = run.st, run.link, run.n, run.g_bytes
+    _, bwd = _forward_backward(s, run.us, run.c, run.shares)
+    params = [(i, x) for i, u in enumerate(run.us) for x in u.params]
+    prev = ()
+    if st == "deepspeed_zero0":
+        # no hooks: engine.backward -> allreduce_gradients -> buffered_allreduce_fallback after the whole
+        # backward, in buffers of MEMORY_OPT_ALLREDUCE_SIZE (5e8) elements (deepspeed/runtime/engine.py)
+        buckets = [(0, b) for _, b in _buckets(params, g_bytes, DS_ALLREDUCE_ELEMENTS * g_bytes,
+                                                DS_ALLREDUCE_ELEMENTS * g_bytes)]
+    else:
+        buckets = _buckets(params, g_bytes, FIRST_BUCKET_BYTES, BUCKET_BYTES)
+    for unit, nbytes in buckets:
+        prev = (s.add("comm", link.ms("all_reduce", nbytes, n), (bwd[unit], *prev)),)
+    shard, post, post_calls, meets = 1.0, 0.0, 0, 0
+    if st in DDP_WRAPPED:  # not DeepSpeed's ZeRO-0: its engine broadcasts the weights once, at start-up
+        # before every forward that follows a synchronizing backward DDP broadcasts rank 0's buffers
+        # (distributed.py _pre_forward -> _sync_buffers; forward_sync_buffers, formerly broadcast_buffers,
+        # on by default; under no_sync only the first micro-batch's: require_forward_param_sync), in 250
+        # MiB buckets of one dtype each, at most 2 in flight (c10d comm.cpp broadcast_coalesced): gloo's
+        # two threads run them at once. The forward reads them; the ranks come from the loader: a meeting
+        groups = buffer_groups(run.setup.model, run.setup.image_size)
+        post += _issued_together([link.ms("broadcast", b, n) for b in groups], run.overlap)
+        post_calls, meets = len(groups), 1 if groups else 0
+    if st == "ddp_zero":
+        shard = 1.0 / n
+        # one per parameter (bus factor 1), issued with async_op=True and waited together
+        # (ZeroRedundancyOptimizer._broadcast_params_from_rank)
+        post += _issued_together([link.ms("broadcast", x * run.w_bytes, n) for _, x in params], run.overlap)
+        post_calls += len(params)
+        meets += 1  # issued back to back
+    return shard, post, post_calls, meets
+
+
+def _sharded(s: _Schedule, run: _Run) -> tuple:
+    """FSDP2 (full-shard, shard-grad-op, hybrid priced as full-shard) and DeepSpeed ZeRO-3 (_fsdp), the optimizer
+    on 1/n; ZeRO-3 then the gradient norm's all-reduce, the persistent weights' gathers, fp16's overflow check."""
+    st, link, n, numel, w_bytes = run.st, run.link, run.n, run.numel, run.w_bytes
+    regather, persist, bucket, prefetch = not st.startswith("fsdp_shard-grad-op"), 0, 0, 0
+    deepspeed = st.startswith(("deepspeed", "accelerate_deepspeed"))
+    if deepspeed:
+        z = run.setup.zero
+        # partitioned_param_coordinator.__params_to_release: a module's weights stay gathered after its
+        # forward when they are used again within stage3_max_reuse_distance elements of the trace
+        # (forward then backward: at most 2 x the model's); parameter_offload.mark_persistent_parameters:
+        # weights of at most stage3_param_persistence_threshold elements stay whole through forward and
+        # backward (gathered after the step, below), not gathered per unit; stage3.py
+        # reduce_independent_p_g_buckets_and_remove_grads: gradients reduce-scattered per reduce_bucket_size
+        regather = 2 * numel > int(z.get("stage3_max_reuse_distance", DS_REUSE_DISTANCE))
+        persist = int(z.get("stage3_param_persistence_threshold", DS_PERSISTENCE))
+        bucket = int(z.get("reduce_bucket_size", DS_REDUCE_BUCKET)) * run.g_bytes
+        # partitioned_param_coordinator.fetch_sub_module: the queue prefetched up to this many elements
+        # (0: no prefetch, each module gathers its own: priced per unit)
+        prefetch = int(z.get("stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET))
+    _fsdp(s, run.us, run.c, link, n, w_bytes, run.g_bytes, regather, persist, bucket, prefetch, run.shares)
+    if not deepspeed:
+        return 1.0 / n, 0.0, 0, 0
+    post, meets, post_calls = link.ms("all_reduce", 4, n), 1, 1  # the norm (stage3.py _get_norm_groups)
+    # the persistent weights' optimizer state is partitioned too: stage3.py _post_step all-gathers
+    # them after every step, one all_gather_into_tensor per parameter issued async and then waited
+    # in order (partition_parameters.py _allgather_params_coalesced), as DDP+ZeRO's broadcasts
+    kept = [x for u in run.us for x in u.params if x <= persist]
+    if kept:
+        post, meets = post + _issued_together([link.ms("all_gather", x * w_bytes, n) for x in kept], run.overlap), 2
+        post_calls += len(kept)
+    if run.setup.precision == "fp16":  # stage3.py _overflow_check_and_loss_scale_update: fp16 only
+        post, post_calls = post + link.ms("all_reduce", 4, n), post_calls + 1
+    return 1.0 / n, post, post_calls, meets
+
+
+def _zero12(s: _Schedule, run: _Run) -> tuple:
+    """DeepSpeed ZeRO-1/2: gradients all-reduced in reduce_bucket_size buckets (under the backward only with
+    overlap_comm), the optimizer on 1/n, then the norm's all-reduce, the weights' all-gather, and in half
+    precision the overflow check's all-reduce."""
+    link, n, g_bytes = run.link, run.n, run.g_bytes
+    _, bwd = _forward_backward(s, run.us, run.c, run.shares)
+    params = [(i, x) for i, u in enumerate(run.us) for x in u.params]
+    z = run.setup.zero
+    cap = int(z.get("reduce_bucket_size", DS_REDUCE_BUCKET)) * g_bytes
+    # average_tensor: reduce_scatter=False all-reduces the whole bucket whatever the other option says
+    kind = "reduce" if z.get("reduce_scatter", True) and not z.get("use_multi_rank_bucket_allreduce", True) \
+        else "all_reduce"
+    # overlap_comm defaults to stage 3 only (zero/config.py overlap_comm_valid): without it ZeRO-1 reduces
+    # after the backward (engine.allreduce_gradients), and ZeRO-2's hooks reduce on the compute stream
+    hidden = bool(z.get("overlap_comm", False))
+    prev = ()
+    for unit, nbytes in _buckets(params, g_bytes, cap, cap):
+        prev = (s.add("comm", link.ms(kind, nbytes, n), (bwd[unit if hidden else 0], *prev)),)
+    post = link.ms("all_gather", run.numel * run.w_bytes, n) + link.ms("all_reduce", 4, n)  # + the gradient norm
+    meets, post_calls = 2, 2  # the norm after its computation, the gather after the optimizer
+    if run.setup.precision in ("fp16", "bf16"):  # check_overflow's all-reduce (engine.py: fp16 always, bf16 by
+        post, post_calls = post + link.ms("all_reduce", 4, n), post_calls + 1  # default; not fp32)
+    return 1.0 / n, post, post_calls, meets
+
+
+def _gpu_contention(s: _Schedule, exposed: float, link: Link) -> float:
+    """What the collectives hidden under the compute take from it on a GPU: their kernels hold link.sm_share of
+    the SMs for as long as they run (NCCL runs one CTA per channel), so the compute they overlap loses that
+    share of the time they hide. The exposed part (the last bucket, what the schedule waits for) is already in
+    the step."""
+    return getattr(link, "sm_share", 0.0) * max(0.0, s.comm - exposed)
+
+
+def _dp_gpu(c: Compute, link: Link, n: int) -> float:
+    """DataParallel's work over n GPUs beyond the weights' broadcast and the gradients' reduce
+    (torch/nn/parallel/data_parallel.py forward): GPU 0 scatters the batch to the others (scatter_gather.py,
+    one copy per GPU from GPU 0's link), and one process launches every replica's forward from its own thread
+    (parallel_apply.py), the threads taking turns at the GIL: the forward takes at least n launches of one
+    replica's. The backward runs on autograd's device threads, outside the GIL. The outputs' gather and the
+    loss on GPU 0 are a batch of logits: left out."""
+    scatter = link.ms("send", c.scatter_bytes * (n - 1) / n, 2)
+    return scatter + max(0.0, n * c.launch_fwd_ms - c.fwd_ms)
+
+
 def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_bytes: int, regather: bool,
           persist: int = 0, bucket: int = 0, prefetch: int = 0, shares=None) -> None:
     """FSDP2 (and ZeRO-3) per unit; the stem and head form the root unit, gathered first. ZeRO-3: weights
@@ -495,68 +593,77 @@ def _fsdp(s: _Schedule, us, c: Compute, link: Link, n: int, w_bytes: int, g_byte
     and the gradients are reduce-scattered in buckets of `bucket` bytes as they are ready, not per unit.
     shares: the units' forward and backward time shares (time_shares), else their FLOP shares."""
     fs, bs = shares or time_shares(us)
-    def gathered(u) -> int:
-        return sum(x for x in u.params if x > persist)
-
-    root = gathered(us[0]) + gathered(us[-1]) if len(us) > 1 else 0
+    gathered = [sum(x for x in u.params if x > persist) for u in us]
     blocks = list(range(1, len(us) - 1)) if len(us) > 1 else [0]
-    size = {i: gathered(us[i]) for i in blocks}
-    grads = {i: sum(us[i].params) for i in range(len(us))}
-    done = {}  # unit -> its backward
-    fwd, last = {}, ()
-    if prefetch:  # ZeRO-3: the units' weights in forward order, cut into prefetch buckets
-        chunks, chunk_of = [], {}  # [elements], unit -> its bucket
-        for i in range(len(us)):
-            x = gathered(us[i])
-            if x:
-                if not chunks or chunks[-1] >= prefetch:  # DeepSpeed closes a bucket once it reaches the size
-                    chunks.append(0)
-                chunks[-1] += x
-                chunk_of[i] = len(chunks) - 1
-        ags = []
-        for i in range(len(us)):  # each module's fetch tops up the prefetch: the next bucket goes a unit later
-            if len(ags) < len(chunks):
-                ags.append(s.add("comm", link.ms("all_gather", chunks[len(ags)] * w_bytes, n), last))
-            deps = (*last, ags[chunk_of[i]]) if i in chunk_of else last
-            if i == len(us) - 1 and len(us) > 1:  # the head: its forward and backward back to back
-                done[i] = s.add("compute", c.fwd_ms * fs[i] + c.bwd_ms * bs[i], deps)
-                last = (done[i],)
-            else:
-                fwd[i] = s.add("compute", c.fwd_ms * fs[i], deps)
-                last = (fwd[i],)
+
+    def gather(elements: int, deps=()) -> int:
+        return s.add("comm", link.ms("all_gather", elements * w_bytes, n), deps)
+
+    if prefetch:
+        done, last = _zero3_forward(s, c, fs, bs, gathered, prefetch, gather)
     else:
-        ag_root = s.add("comm", link.ms("all_gather", root * w_bytes, n)) if root else None
-        last = (ag_root,) if ag_root is not None else ()
-        if len(us) > 1:
-            fwd[0] = s.add("compute", c.fwd_ms * fs[0], last)
-            last = (fwd[0],)
-        for i in blocks:
-            ag = s.add("comm", link.ms("all_gather", size[i] * w_bytes, n), (ag_root,) if ag_root is not None else ())
-            fwd[i] = s.add("compute", c.fwd_ms * fs[i], (*last, ag))
-            last = (fwd[i],)
-        if len(us) > 1:
-            done[len(us) - 1] = s.add("compute", c.fwd_ms * fs[-1] + c.bwd_ms * bs[-1], last)
-            last = (done[len(us) - 1],)
+        done, last = _fsdp_forward(s, c, fs, bs, gathered, blocks, gather)
     order = list(reversed(blocks))
     gathers = {}
     for k, i in enumerate(order):
         if regather and i not in gathers:  # the unit itself (only the first has no prefetch)
-            gathers[i] = s.add("comm", link.ms("all_gather", size[i] * w_bytes, n), last)
+            gathers[i] = gather(gathered[i], last)
         if regather and k + 1 < len(order):  # prefetch the next unit's gather when this one starts
-            j = order[k + 1]
-            gathers[j] = s.add("comm", link.ms("all_gather", size[j] * w_bytes, n), last)
+            gathers[order[k + 1]] = gather(gathered[order[k + 1]], last)
         b = done[i] = s.add("compute", c.bwd_ms * bs[i], (*last, gathers[i]) if regather else last)
         if not bucket:
-            s.add("comm", link.ms("reduce_scatter", grads[i] * g_bytes, n), (b,))
+            s.add("comm", link.ms("reduce_scatter", sum(us[i].params) * g_bytes, n), (b,))
         last = (b,)
     if len(us) > 1:
         b = done[0] = s.add("compute", c.bwd_ms * bs[0], last)
         if not bucket:
-            s.add("comm", link.ms("reduce_scatter", (grads[0] + grads[len(us) - 1]) * g_bytes, n), (b,))
+            s.add("comm", link.ms("reduce_scatter", (sum(us[0].params) + sum(us[-1].params)) * g_bytes, n), (b,))
     if bucket:  # a bucket goes when its earliest unit's backward is done
         params = [(i, x) for i in range(len(us)) for x in us[i].params]
         for unit, nbytes in _buckets(params, g_bytes, bucket, bucket):
             s.add("comm", link.ms("reduce_scatter", nbytes, n), (done[unit],))
+
+
+def _zero3_forward(s: _Schedule, c: Compute, fs, bs, gathered: list, prefetch: int, gather) -> tuple[dict, tuple]:
+    """ZeRO-3's forward: the units' weights in forward order cut into prefetch buckets, each module's fetch
+    topping up the prefetch (the next bucket goes a unit later); the head's forward and backward back to back.
+    Returns ({unit: its backward}, the last task)."""
+    chunks, chunk_of = [], {}  # [elements], unit -> its bucket
+    for i, x in enumerate(gathered):
+        if x:
+            if not chunks or chunks[-1] >= prefetch:  # DeepSpeed closes a bucket once it reaches the size
+                chunks.append(0)
+            chunks[-1] += x
+            chunk_of[i] = len(chunks) - 1
+    ags, done, last, units_ = [], {}, (), len(gathered)
+    for i in range(units_):
+        if len(ags) < len(chunks):
+            ags.append(gather(chunks[len(ags)], last))
+        deps = (*last, ags[chunk_of[i]]) if i in chunk_of else last
+        if i == units_ - 1 and units_ > 1:
+            done[i] = s.add("compute", c.fwd_ms * fs[i] + c.bwd_ms * bs[i], deps)
+            last = (done[i],)
+        else:
+            last = (s.add("compute", c.fwd_ms * fs[i], deps),)
+    return done, last
+
+
+def _fsdp_forward(s: _Schedule, c: Compute, fs, bs, gathered: list, blocks: list, gather) -> tuple[dict, tuple]:
+    """FSDP2's forward: the root unit (stem and head) gathered first, then each block's all-gather (issued ahead:
+    the CPU runs ahead of the device) before its forward; the head's forward and backward back to back."""
+    units_ = len(gathered)
+    root = gathered[0] + gathered[-1] if units_ > 1 else 0
+    ag_root = gather(root) if root else None
+    last, done = (ag_root,) if ag_root is not None else (), {}
+    if units_ > 1:
+        last = (s.add("compute", c.fwd_ms * fs[0], last),)
+    for i in blocks:
+        ag = gather(gathered[i], (ag_root,) if ag_root is not None else ())
+        last = (s.add("compute", c.fwd_ms * fs[i], (*last, ag)),)
+    if units_ > 1:
+        done[units_ - 1] = s.add("compute", c.fwd_ms * fs[-1] + c.bwd_ms * bs[-1], last)
+        last = (done[units_ - 1],)
+    return done, last
 
 
 def _tensor_parallel(p: StepPrediction, setup: Setup, c: Compute, link: Link, overlap: bool) -> StepPrediction:
