@@ -541,9 +541,12 @@ def _reference_kernels(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]
 def textbook_bubble(strategy: str, world: float, devices: float, microbatches: float) -> float | None:
     """Idle share in % of p equal stages, m micro-batches: (p-1)/(m+p-1); interleaved with v=2 stages
     per rank (p-1)/(v*m+p-1); naive model parallelism is one micro-batch on its devices."""
-    if strategy == "mp":
+    from .strategies import of
+
+    family = getattr(of(strategy), "family", None)
+    if family == "mp":
         p, m, v = devices, 1, 1
-    elif strategy.startswith("pp_"):
+    elif family == "pp":
         p, m, v = world, microbatches, 2 if "interleaved" in strategy else 1
     else:
         return None
@@ -555,7 +558,10 @@ def textbook_bubble(strategy: str, world: float, devices: float, microbatches: f
 def _pipeline(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]:
     """Model and pipeline parallelism: the measured bubble against the textbook's."""
     split = latest(rows)
-    split = split[(split.status == "ok") & (split.strategy.eq("mp") | split.strategy.str.startswith("pp_"))]
+    from .strategies import of
+
+    family = split.strategy.map(lambda st: getattr(of(str(st)), "family", None))
+    split = split[(split.status == "ok") & family.isin(("mp", "pp"))]
     if split.empty:
         return []
     table = []

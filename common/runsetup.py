@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 
 from .config import PROJECT_ROOT
+from .strategies import of
 
 # the row's explicit setup columns beyond the contract's (common/results.py COLUMNS, group "run")
 COLUMNS = ("local_world_size", "zero_stage", "offload", "zero_config", "split")
@@ -64,7 +65,8 @@ class RunSetup:
 
     @property
     def pipeline(self) -> bool:
-        return self.strategy.startswith("pp_")
+        info = of(self.strategy)
+        return info is not None and info.family == "pp"
 
 
 def _zero_of(path: str) -> dict:

@@ -89,12 +89,17 @@ TABLE = [
     Strategy("tp", "tp"),
     Strategy("tp_fsdp", "tp_fsdp", sharding="full-shard"),
     _zero(0), _zero(0, "accelerate"),
+    # the split models: the memory and step models size their pieces by measurement (a pipeline's schedule is
+    # the step model's, common/predict/timemodel.py _pipeline), each rank or device sees the whole batch
+    Strategy("mp", "mp", sized=False, data_parallel=False),
+    *(Strategy(f"pp_{schedule}", "pp", sized=False, data_parallel=False)
+      for schedule in ("gpipe", "1f1b", "interleaved_1f1b")),
 ]
 STRATEGIES = {s.name: s for s in TABLE}
 
 
 def of(name: str) -> Strategy | None:
-    """The table's entry for a strategy name, None for one the models do not know (mp, pp_*). A row's offload
+    """The table's entry for a strategy name, None for one the models do not know. A row's offload
     variant the table does not list (deepspeed_zero1_offload) is its stage's, offloaded, and not sized."""
     from dataclasses import replace
 

@@ -60,4 +60,5 @@ def test_the_strategy_table_answers_what_the_names_spelled():
     assert of("fsdp_full-shard_offload").offload and of("accelerate_fsdp").sharding == "full-shard"
     zero1 = of("deepspeed_zero1_offload")  # a row's variant the table does not list: its stage's, offloaded
     assert zero1.zero_stage == 1 and zero1.offload and not zero1.sized
-    assert of("pp_gpipe") is None and of("mp") is None
+    assert of("pp_1f1b").family == "pp" and not of("pp_1f1b").sized and of("mp").family == "mp"
+    assert of("no_such_strategy") is None

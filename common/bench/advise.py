@@ -19,9 +19,9 @@ from ..config import UsageError
 from ..names import classification_models
 from ..predict.links import LINKS
 from ..predict.memory import GIB, STRATEGIES, Setup, predict
+from ..strategies import of
 
 HEADROOM = 0.9  # the prediction leaves out the allocator's cache, workspaces and the CUDA context
-SINGLE = ("single", "half", "amp")
 # communication per step, least first: FairScale's order (DDP, then shard optimizer state, gradients,
 # parameters, then offload), with tensor parallelism after full sharding: it all-reduces activations in
 # every block, on the critical path (Megatron-LM keeps it inside a node for that reason); DataParallel
@@ -114,14 +114,15 @@ def setups(opts) -> list[Setup]:
     half = opts.precision if opts.precision != "fp32" else "fp16"
     out = []
     for st in STRATEGIES:
-        if st.startswith("accelerate_") or st == "fsdp_hybrid":
+        info = of(st)
+        if info.library == "accelerate" or info.sharding == "hybrid":
             continue  # accelerate runs the same engines; hybrid equals full-shard on one node
-        if st in ("tp", "tp_fsdp"):
+        if info.family in ("tp", "tp_fsdp"):
             out += _tp_setups(base, st, opts)
             continue
         precision = {"single": "fp32", "dp": "fp32", "half": half, "amp": half}.get(st, opts.precision)
-        world = 1 if st in SINGLE else opts.gpus
-        zero = _zero_json(int(st[len("deepspeed_zero")])) if st.startswith("deepspeed_zero") else base.zero
+        world = opts.gpus if info.data_parallel else 1
+        zero = _zero_json(info.zero_stage) if info.deepspeed else base.zero
         out.append(replace(base, strategy=st, precision=precision, world_size=world, zero=zero))
     return out
 
@@ -205,7 +206,7 @@ def advise(opts) -> int:
         preds[s.strategy] = p
         gib = p.gib()
         fits = "yes" if gib["peak"] <= HEADROOM * g else ("tight" if gib["peak"] <= g else "no")
-        label = f"{s.strategy} (tp {s.tp})" if s.strategy.startswith("tp") else s.strategy
+        label = f"{s.strategy} (tp {s.tp})" if of(s.strategy).family in ("tp", "tp_fsdp") else s.strategy
         print(f"{label:<24}{s.world_size:>5}{s.precision:>6}" + "".join(f"{gib[c]:>8.2f}" for c in cols)
               + f"{gib['peak']:>8.2f}  {fits}")
     print("recommendation: " + recommend(preds, opts))

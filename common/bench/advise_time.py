@@ -12,6 +12,7 @@ from ..predict.calibration import compute_mode, compute_of, find_link, load
 from ..predict.memory import GIB
 from ..predict.timemodel import Compute, predict_step
 from ..predict.timespec import epoch_s, eval_ms, gpu_compute, link_for, transfer
+from ..strategies import of
 
 # the step model's median absolute error where it was checked on CPUs (docs/time.md, "How well it predicts"): 12
 # strategies on 2 CPU cores, resnet18, 3 launches each, 3.2-10.7% over the stored Xeon grids
@@ -102,7 +103,7 @@ def trust(opts, setup) -> tuple[float | None, str]:
     NVLink or PCIe), a CPU calibration's median error, or None where no check covers it."""
     if opts.calibration and not opts.gpu:
         return MODEL_ERROR, f"~{MODEL_ERROR:.1%} (calibrated: the CPU grids' median)"
-    n = setup.world_size if setup.strategy not in ("single", "half", "amp") else 1
+    n = setup.world_size if of(setup.strategy).data_parallel else 1
     link = opts.interconnect or ""
     cls = ("1 GPU, calibrated" if opts.calibration else "1 GPU") if n == 1 else \
         "8 GPUs NVLink" if link.startswith("nvlink") else "4 GPUs PCIe" if link.startswith("pcie") else ""

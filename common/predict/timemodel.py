@@ -94,13 +94,12 @@ import torch
 
 from ..measure.comm import bus_factor
 from ..models import meta_model
+from ..strategies import Strategy, of
 from .memory import DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, ITEMSIZE, Setup
 
 FIRST_BUCKET_BYTES = 1024 ** 2  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 BUCKET_BYTES = 25 * 1024 ** 2  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB
 GLOO_THREADS = 2  # ProcessGroupGloo::Options threads{2}: a process group's async work runs on two threads
-# the strategies whose model torch's DistributedDataParallel wraps (and so broadcasts its buffers)
-DDP_WRAPPED = ("ddp", "accelerate_ddp", "ddp_zero")
 # deepspeed/runtime/zero/config.py: max_reuse_distance and param_persistence_threshold's defaults
 DS_REUSE_DISTANCE, DS_PERSISTENCE = 1_000_000_000, 100_000
 DS_ALLREDUCE_ELEMENTS = 500_000_000  # deepspeed/runtime/engine.py MEMORY_OPT_ALLREDUCE_SIZE: ZeRO-0's buffers
@@ -353,7 +352,7 @@ def _forward_backward(s: _Schedule, us, c: Compute, shares=None) -> tuple[list[i
 class _Run:
     """What every strategy's schedule reads: the setup, its units, one rank's compute and the link."""
     setup: Setup
-    st: str
+    info: Strategy | None  # the strategy table's entry (common/strategies.py)
     us: tuple
     c: Compute
     link: Link
@@ -371,14 +370,16 @@ class _Run:
         return sum(sum(u.params) for u in self.us)
 
 
-def _wire_bytes(setup: Setup, st: str) -> tuple[int, int]:
+def _wire_bytes(setup: Setup, info: Strategy | None) -> tuple[int, int]:
     """(weight, gradient) element bytes on the wire: DeepSpeed's in its half type, FSDP's mixed precision gathers
     2-byte weights and reduces in fp32 (pytorch_FSDP.py reduce_dtype; accelerate FSDP in half), the rest fp32."""
-    w_bytes = ITEMSIZE.get(setup.precision, 4) if st.startswith(("deepspeed", "accelerate_deepspeed")) else 4
+    if info is None:
+        return 4, 4
+    w_bytes = ITEMSIZE.get(setup.precision, 4) if info.deepspeed else 4
     g_bytes = w_bytes
-    if setup.precision in ("fp16", "bf16") and st.startswith(("fsdp", "accelerate_fsdp")):
+    if setup.precision in ("fp16", "bf16") and info.family == "fsdp":
         w_bytes = 2
-        g_bytes = 2 if st.startswith("accelerate_fsdp") else 4
+        g_bytes = 2 if info.library == "accelerate" else 4
     return w_bytes, g_bytes
 
 
@@ -393,37 +394,37 @@ def predict_step(setup: Setup, c: Compute, link: Link, overlap: bool, *, strateg
     n = setup.world_size
     us = units(setup.model, setup.image_size)
     p = StepPrediction(data_ms=c.data_ms * setup.grad_accum)
-    if st.startswith("pp_"):
+    info = of(st)  # what the strategy is (common/strategies.py); None: no communication model
+    if info is not None and info.family == "pp":
         return _pipeline(p, us, c, link, overlap, n, microbatches, stages or [], setup, pieces, st)
-    if st in ("tp", "tp_fsdp") and n > 1:
+    if info is not None and info.family in ("tp", "tp_fsdp") and n > 1:
         return _tensor_parallel(p, setup, c, link, overlap)
-    run = _Run(setup, st, us, c, link, overlap, time_shares(us, pieces), *_wire_bytes(setup, st))
+    run = _Run(setup, info, us, c, link, overlap, time_shares(us, pieces), *_wire_bytes(setup, info))
     # DDP's buckets go out beside the backward on a CPU too: the Reducer hands each to the process group
     # and waits for them all only at the backward's end (reducer.cpp finalize_backward), and gloo runs an
     # all-reduce on its own worker threads (ProcessGroupGloo enqueue -> runLoop), not the caller's. The rows
     # measure it: comm_overlap_pct 62-84% for DDP and accelerate's DDP in the Xeon time grids, 0% for FSDP
     # and DeepSpeed ZeRO-1/2, whose collectives the training thread waits on.
-    beside = not overlap and st in DDP_WRAPPED and n > 1
+    beside = not overlap and info is not None and info.ddp_buckets and n > 1
     s = _Schedule(overlap or beside, link.meet_ms if n > 1 else 0.0)
     for _ in range(setup.grad_accum - 1):  # micro-batches before the last: no gradient communication (no_sync)
         _forward_backward(s, us, c, run.shares)
     # shard: the optimizer's share of the parameters; post: collectives outside the backward (before the
     # forward, after the optimizer step), exposed; post_calls: their number (None: not counted); meets: the
     # meetings among them, a run of collectives with compute before it
-    if st in ("single", "half", "amp") or n == 1:
+    family, stage = (info.family, info.zero_stage) if info is not None else ("", None)
+    if info is not None and (not info.data_parallel or n == 1):
         # DataParallel over one GPU calls its module and returns (torch/nn/parallel/data_parallel.py
         # forward: len(self.device_ids) == 1): no weights broadcast, no gradients reduced
         _forward_backward(s, us, c, run.shares)
         shard, post, post_calls, meets = 1.0, 0.0, 0, 0
-    elif st == "dp":
+    elif family == "dp":
         shard, post, post_calls, meets = _dp(s, run)
-    elif st in ("ddp", "accelerate_ddp", "ddp_zero", "deepspeed_zero0"):
+    elif family in ("ddp", "ddp_zero") or stage == 0:
         shard, post, post_calls, meets = _ddp(s, run)
-    elif st.startswith(("fsdp_full-shard", "fsdp_shard-grad-op", "fsdp_hybrid", "accelerate_fsdp",
-                        "deepspeed_zero3", "accelerate_deepspeed_zero3")):
+    elif family == "fsdp" or stage == 3:
         shard, post, post_calls, meets = _sharded(s, run)
-    elif st.startswith(("deepspeed_zero1", "deepspeed_zero2", "accelerate_deepspeed_zero1",
-                        "accelerate_deepspeed_zero2")):
+    elif stage in (1, 2):
         shard, post, post_calls, meets = _zero12(s, run)
     else:
         _forward_backward(s, us, c, run.shares)
@@ -436,9 +437,10 @@ def _finish(p: StepPrediction, s: _Schedule, run: _Run, beside: bool, shard: flo
             post_calls: int | None, meets: int) -> StepPrediction:
     """The prediction's components from the schedule: compute, what the schedule runs past it (exposed), the
     collectives outside the backward, the ranks' skew, and the optimizer on its share."""
-    c, n, st = run.c, run.n, run.st
+    c, n = run.c, run.n
     compute = (c.fwd_ms + c.bwd_ms) * run.setup.grad_accum
-    synced = n > 1 and st not in ("single", "half", "amp", "dp")  # dp: one process
+    one_process = run.info is not None and (not run.info.data_parallel or run.info.family == "dp")  # dp: one
+    synced = n > 1 and not one_process
     exposed = max(0.0, s.length - compute)
     if beside:
         # what the buckets beside the backward take from it on a CPU, whose cores the training thread and
@@ -472,11 +474,11 @@ def _ddp(s: _Schedule, run: _Run) -> tuple:
     """DDP, accelerate DDP, DDP + ZeroRedundancyOptimizer and DeepSpeed's ZeRO-0: gradient buckets all-reduced
     as they are ready (ZeRO-0: after the whole backward), DDP's buffers broadcast before the next forward, and
     DDP+ZeRO's parameters broadcast from their owners after its sharded step."""
-    st, link, n, g_bytes = run.st, run.link, run.n, run.g_bytes
+    link, n, g_bytes = run.link, run.n, run.g_bytes
     _, bwd = _forward_backward(s, run.us, run.c, run.shares)
     params = [(i, x) for i, u in enumerate(run.us) for x in u.params]
     prev = ()
-    if st == "deepspeed_zero0":
+    if run.info.deepspeed:  # ZeRO-0
         # no hooks: engine.backward -> allreduce_gradients -> buffered_allreduce_fallback after the whole
         # backward, in buffers of MEMORY_OPT_ALLREDUCE_SIZE (5e8) elements (deepspeed/runtime/engine.py)
         buckets = [(0, b) for _, b in _buckets(params, g_bytes, DS_ALLREDUCE_ELEMENTS * g_bytes,
@@ -486,7 +488,7 @@ def _ddp(s: _Schedule, run: _Run) -> tuple:
     for unit, nbytes in buckets:
         prev = (s.add("comm", link.ms("all_reduce", nbytes, n), (bwd[unit], *prev)),)
     shard, post, post_calls, meets = 1.0, 0.0, 0, 0
-    if st in DDP_WRAPPED:  # not DeepSpeed's ZeRO-0: its engine broadcasts the weights once, at start-up
+    if run.info.ddp_buckets:  # not DeepSpeed's ZeRO-0: its engine broadcasts the weights once, at start-up
         # before every forward that follows a synchronizing backward DDP broadcasts rank 0's buffers
         # (distributed.py _pre_forward -> _sync_buffers; forward_sync_buffers, formerly broadcast_buffers,
         # on by default; under no_sync only the first micro-batch's: require_forward_param_sync), in 250
@@ -495,7 +497,7 @@ def _ddp(s: _Schedule, run: _Run) -> tuple:
         groups = buffer_groups(run.setup.model, run.setup.image_size)
         post += _issued_together([link.ms("broadcast", b, n) for b in groups], run.overlap)
         post_calls, meets = len(groups), 1 if groups else 0
-    if st == "ddp_zero":
+    if run.info.family == "ddp_zero":
         shard = 1.0 / n
         # one per parameter (bus factor 1), issued with async_op=True and waited together
         # (ZeroRedundancyOptimizer._broadcast_params_from_rank)
@@ -508,9 +510,9 @@ def _ddp(s: _Schedule, run: _Run) -> tuple:
 def _sharded(s: _Schedule, run: _Run) -> tuple:
     """FSDP2 (full-shard, shard-grad-op, hybrid priced as full-shard) and DeepSpeed ZeRO-3 (_fsdp), the optimizer
     on 1/n; ZeRO-3 then the gradient norm's all-reduce, the persistent weights' gathers, fp16's overflow check."""
-    st, link, n, numel, w_bytes = run.st, run.link, run.n, run.numel, run.w_bytes
-    regather, persist, bucket, prefetch = not st.startswith("fsdp_shard-grad-op"), 0, 0, 0
-    deepspeed = st.startswith(("deepspeed", "accelerate_deepspeed"))
+    link, n, numel, w_bytes = run.link, run.n, run.numel, run.w_bytes
+    regather, persist, bucket, prefetch = run.info.sharding != "shard-grad-op", 0, 0, 0
+    deepspeed = run.info.deepspeed
     if deepspeed:
         z = run.setup.zero
         # partitioned_param_coordinator.__params_to_release: a module's weights stay gathered after its

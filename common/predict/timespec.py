@@ -17,6 +17,7 @@ import functools
 import math
 
 from ..measure.flops import PEAK_TFLOPS
+from ..strategies import of
 from . import roofline
 from .datasheet import hbm_tbps, pcie_gbps, sm_ghz
 from .links import LINKS, NCCL  # noqa: F401  (re-exported: advise lists them)
@@ -55,10 +56,10 @@ def gpu_names() -> list[str]:
 def run_spec(gpu: str, setup, tf32: bool = False) -> roofline.Spec:
     """The precision as a strategy runs it: autocast (AMP, DDP, ZeRO, accelerate), the model in half
     (pytorch_half_precision.py, DeepSpeed's fp16/bf16), FSDP's mixed precision (half weights gathered, no casts)."""
-    half = setup.precision in ("fp16", "bf16")
-    pure = half and (setup.strategy == "half" or setup.strategy.startswith(("deepspeed", "accelerate_deepspeed")))
+    half, info = setup.precision in ("fp16", "bf16"), of(setup.strategy)
+    pure = half and info.half_weights
     s = roofline.spec(gpu, setup.precision, tf32, pure, setup.channels_last)
-    if half and setup.strategy.startswith(("fsdp", "accelerate_fsdp")):
+    if half and info.family == "fsdp":
         s = roofline.Spec(s.math, 2, 2, False, s.channels_last)
     return s
 
@@ -72,10 +73,10 @@ def optimizer_ms(gpu: str, setup, loop: bool = False) -> float:
     shapes = model_facts(setup.model, setup.image_size)[0]
     numel = sum(math.prod(s) for s in shapes)
     passes = 7 if setup.optimizer == "adamw" else 5
-    if setup.precision == "fp16" and setup.strategy != "half":
+    if setup.precision == "fp16" and of(setup.strategy).family != "half":
         passes += 2  # GradScaler's unscale reads and writes every gradient
     nbytes = numel * 4 * passes / (hbm_tbps(gpu) * 1e12 * roofline.HBM_SHARE) * 1e3
-    if setup.strategy.startswith(("deepspeed", "accelerate_deepspeed")):
+    if of(setup.strategy).deepspeed:
         host = DS_PER_TENSOR_MS * len(shapes)
     else:
         host = LOOP_PER_TENSOR_MS * len(shapes) if loop else OPT_HOST_MS
@@ -116,8 +117,9 @@ def gpu_compute(gpu: str, setup, tf32: bool = False, loader: str = "torch", loop
     s = run_spec(gpu, setup, tf32)
     micro = setup.micro_batch
     fwd, bwd = roofline.compute_ms(setup.model, setup.image_size, gpu, s, micro)
-    n = setup.world_size if setup.strategy not in ("single", "half", "amp") else 1
-    dp = setup.strategy == "dp" and n > 1
+    info = of(setup.strategy)
+    n = setup.world_size if info.data_parallel else 1
+    dp = info.family == "dp" and n > 1
     images = setup.batch_size if dp else micro
     data = data_ms(gpu, images, setup.image_size, loader)
     sync = STEP_CV * expected_max(n) * (fwd + bwd) if n > 1 and not dp else 0.0
@@ -191,7 +193,8 @@ def epoch_s(step_ms: float, eval_step_ms: float, setup, dataset_images: int, eva
     steps = math.ceil(dataset_images / setup.batch_size)
     if loader_img_s:
         step_ms = max(step_ms, setup.batch_size / loader_img_s * 1e3)
-    ranks = setup.dp if setup.strategy not in ("single", "half", "amp", "dp") else 1
-    per_step = setup.batch_size if setup.strategy == "dp" else setup.micro_batch * setup.grad_accum
+    info = of(setup.strategy)
+    ranks = setup.dp if info.data_parallel and info.family != "dp" else 1
+    per_step = setup.batch_size if info.family == "dp" else setup.micro_batch * setup.grad_accum
     evals = math.ceil(eval_images / ranks / per_step) if eval_images else 0
     return steps * step_ms / 1e3, evals * eval_step_ms / 1e3
