@@ -1,7 +1,7 @@
 """The one table of strategies: what the memory model, the expected-volume model, the step model and
 `advise` need to know of each, as data.
 
-A strategy's name is the row's `strategy` (common/runsetup.py model_strategy for the single-device scripts:
+A strategy's name is the row's `strategy` (model_strategy below for the single-device scripts:
 `half` and `amp`). The models dispatch on the fields below, never on the name's spelling.
 
     STRATEGIES["deepspeed_zero2"].zero_stage      # 2
@@ -96,6 +96,15 @@ TABLE = [
       for schedule in ("gpipe", "1f1b", "interleaved_1f1b")),
 ]
 STRATEGIES = {s.name: s for s in TABLE}
+
+
+# the single-device scripts whose row says "single" but whose models differ by how the half precision is applied
+BY_SCRIPT = {"pytorch_half_precision.py": "half", "pytorch_auto_mixed_precision.py": "amp"}
+
+
+def model_strategy(script: str, strategy: str) -> str:
+    """The strategy as the models name it of a run of `script` whose row says `strategy`."""
+    return BY_SCRIPT.get(script, strategy)
 
 
 def of(name: str) -> Strategy | None:

@@ -325,6 +325,7 @@ def _channels_last_setups(opts, preset_batch, batch: int, modes: list[str],
 
     from ..predict.calibration import compute_mode
     from ..registry import BY_FILE
+    from ..strategies import model_strategy
     from .matrix import load_matrix
 
     out = []
@@ -334,7 +335,7 @@ def _channels_last_setups(opts, preset_batch, batch: int, modes: list[str],
             continue
         if run["gpu_only"] and not cuda:
             continue
-        strategy = "half" if run["script"] == "pytorch_half_precision.py" else "single"
+        strategy = model_strategy(run["script"], "single")
         precision = str(args.get("precision") or BY_FILE[run["script"]].precisions[0])
         mode = compute_mode(strategy, precision, cuda and bool(args.get("tf32")))
         b = int(args["batch_size"]) if args.get("batch_size") not in (None, preset_batch) else batch

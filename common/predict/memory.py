@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from ..models import fsdp_units, meta_model, model_facts, norm_numel  # noqa: F401  (re-exported)
 from ..runsetup import RunSetup
-from ..strategies import of, sized
+from ..strategies import model_strategy, of, sized
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -514,19 +514,10 @@ def setup_for(s: Setup, strategy: str) -> Setup:
     return replace(s, strategy=strategy)
 
 
-# the single-device scripts whose row says "single" but whose models differ by how the half precision is applied
-_BY_SCRIPT = {"pytorch_half_precision.py": "half", "pytorch_auto_mixed_precision.py": "amp"}
-
-
-def model_strategy(s: RunSetup) -> str:
-    """The strategy as the memory and step models name it (common/strategies.py)."""
-    return _BY_SCRIPT.get(s.script, s.strategy)
-
-
 def setup_of(s: RunSetup) -> Setup | None:
     """The memory and step models' Setup of a run; None for one they do not size (a split model: mp, pp_*,
     a hybrid they do not reproduce, DeepSpeed without ZeRO)."""
-    strategy = model_strategy(s)
+    strategy = model_strategy(s.script, s.strategy)
     if strategy not in STRATEGIES:
         return None
     return Setup(model=s.model, image_size=s.image_size, batch_size=s.batch_size, world_size=s.world_size,
