@@ -109,6 +109,8 @@ class TrainConfig(EvalConfig):
                  hidden=True)
     scaling: str = opt("", "strong or weak, stored in the row's scaling (benchmark.py --world-sizes sets it)",
                        choices=("", "strong", "weak"), hidden=True)
+    figures: str = opt("", "the run's row written there as JSON too, by the rank that writes it (benchmark.py sets "
+                       "it beside the run's log and reads the run's figures there)", hidden=True)
     # --- training state ---
     resume: str = opt("", "auto = continue from <save_dir>/<script>/resume when there is one (else start); "
                       "PATH = that checkpoint, which must exist; empty = start from scratch")

@@ -169,6 +169,29 @@ def append_row(path: str, row: dict, columns: list[str] = COLUMNS, history: list
         raise UsageError(f"results file {path} is not writable") from None
 
 
+def write_figures(path: str, row: dict) -> None:
+    """A run's row as JSON at `path` (benchmark.py's --figures): what the process that started the run reads of
+    it, whole and typed, where the CSV holds every run's rows as text. Written whole or not at all."""
+    import json
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"row": {c: row.get(c) for c in COLUMNS if row.get(c) is not None}}, fh)
+    os.replace(tmp, path)
+
+
+def read_figures(path: str) -> dict | None:
+    """The row a run wrote with write_figures, or None where it wrote none."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)["row"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def read_rows(path: str, columns: list[str] = COLUMNS, history: list[list[str]] = HISTORY) -> list[dict]:
     """Every row as {column: text}, under the current columns (an older file's new columns read as "")."""
     if not _check_existing(path, columns, history):

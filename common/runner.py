@@ -28,7 +28,7 @@ from .distributed import (
 )
 from .measure.fingerprint import device_name, fingerprint
 from .registry import script as registry_entry
-from .results import append_row, check_results_path
+from .results import append_row, check_results_path, write_figures
 from .train import Diverged
 
 
@@ -109,7 +109,10 @@ def launch(main, script_file: str, cfg_cls=TrainConfig, **defaults) -> None:
     try:
         if cfg is not None and write_row(code):
             row = {**base_row(cfg, script, strategy, entry.libraries), **row_extra}
-            append_row(cfg.results, {**row, **predicted(entry, cfg, row, ok=code == 0)})
+            row.update(predicted(entry, cfg, row, ok=code == 0))
+            append_row(cfg.results, row)
+            if getattr(cfg, "figures", ""):
+                write_figures(cfg.figures, row)
     except UsageError as exc:
         print(f"{script}: error: {exc}", file=sys.stderr)
         code = code or 2

@@ -7,7 +7,7 @@ from helpers import spawn_ranks
 
 from common.measure.steptime import StepTimes
 from common.predict import stats
-from common.results import read_rows
+from common.results import read_figures, read_rows
 
 SKEWED = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 100.0]
 
@@ -116,8 +116,9 @@ def test_only_global_rank_0_counts_and_predicts_what_only_its_row_shows(monkeypa
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")  # no CPU probe
     cpu, seen = torch.device("cpu"), {}
     results = tmp_path / "summary.csv"
+    figures = tmp_path / "run.json"  # benchmark.py's --figures: the row again, for the matrix
     monkeypatch.setattr(sys, "argv", ["pytorch_SingleGPU.py", "--device", "cpu", "--model", "resnet18",
-                                      "--image-size", "32", "--results", str(results)])
+                                      "--image-size", "32", "--results", str(results), "--figures", str(figures)])
     monkeypatch.setattr(runner, "predicted", lambda *a, **k: seen.setdefault("predicted", []).append(rank) or {})
     for rank in (1, 0):
         monkeypatch.setattr(flops, "global_rank", lambda rank=rank: rank)
@@ -125,5 +126,8 @@ def test_only_global_rank_0_counts_and_predicts_what_only_its_row_shows(monkeypa
         count = flops.Flops("resnet18", 32, "fp32", [torch.device("cuda", 0)], cpu, lambda: 100.0)
         seen[rank] = count.flops_per_img
         runner.launch(lambda cfg: Metrics(), "pytorch_SingleGPU.py")
+        seen[f"figures{rank}"] = read_figures(str(figures))
     assert seen[1] is None and seen[0] > 1e8
+    assert seen["figures1"] is None and seen["figures0"] == {k: v for k, v in seen["figures0"].items() if v is not None}
+    assert seen["figures0"]["script"] == "pytorch_SingleGPU.py" and seen["figures0"]["status"] == "ok"
     assert seen["predicted"] == [0] and len(read_rows(str(results))) == 1

@@ -248,10 +248,11 @@ def test_the_matrix_launches_a_busy_launch_again_and_the_report_says_so(tmp_path
     steal = iter([30.0, 0.5, 40.0, 45.0])
 
     def execute(run, i, n, gpus, results_, log_dir, t0):
-        append_row(results_, {"script": "pytorch_DDP.py", "status": "ok", "device_name": "X", "run_name": run["name"],
-                              "repeat": run["args"]["repeat"], "step_ms_p50": 100.0, "step_ms_mean": 100.0,
-                              "host_other_pct": 0.0, "host_steal_pct": next(steal), "throughput_img_s": 10.0})
-        return 0, "ok", []
+        row = {"script": "pytorch_DDP.py", "status": "ok", "device_name": "X", "run_name": run["name"],
+               "repeat": run["args"]["repeat"], "step_ms_p50": 100.0, "step_ms_mean": 100.0, "host_other_pct": 0.0,
+               "host_steal_pct": next(steal), "throughput_img_s": 10.0}
+        append_row(results_, row)
+        return 0, "ok", [], row  # the row as the run's --figures JSON gives it
 
     monkeypatch.setattr(matrix, "hardware", lambda: (0, "X"))
     monkeypatch.setattr(matrix, "execute", execute)
@@ -273,7 +274,7 @@ def test_the_matrix_launches_a_busy_launch_again_and_the_report_says_so(tmp_path
 
     def failing(run, i, n, gpus, results_, log_dir, t0):  # a relaunch that fails keeps the busy launch
         if run["args"]["repeat"] == 3 and len(matrix.read_rows(results)) == 5:
-            return 1, "failed", ["boom"]
+            return 1, "failed", ["boom"], None
         return execute(run, i, n, gpus, results_, log_dir, t0)
 
     steal = iter([50.0])

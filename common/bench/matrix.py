@@ -25,7 +25,7 @@ from ..config import PROJECT_ROOT, DistributedConfig, UsageError, resolve, to_fl
 from ..launching import free_port, launch_env
 from ..measure.host import busy_pct, describe, is_busy
 from ..registry import BY_FILE, SCRIPTS
-from ..results import append_row, read_rows
+from ..results import append_row, read_figures, read_rows
 
 EXIT_STATUS = {3: "diverged", 4: "oom"}
 PROGRESS = "[progress] "  # a run's progress line (common/train.py progress): echoed for people, never parsed
@@ -234,11 +234,17 @@ def last_error_line(lines: list[str]) -> str:
     return next((ln.strip() for ln in reversed(lines) if ln.strip()), "")[:300]
 
 
-def execute(run: dict, i: int, n: int, gpus: int, results: str, log_dir: str, t0: float) -> tuple[int, str, list[str]]:
+def execute(run: dict, i: int, n: int, gpus: int, results: str, log_dir: str, t0: float) -> tuple:
+    """One launch of a run: (exit code, status, the log's last lines, the row it wrote or None). The row is read
+    from the JSON the run writes beside its log (--figures), not found again among the CSV's."""
     cmd, nproc = command(run, gpus, results)
     os.makedirs(log_dir, exist_ok=True)
     suffix = f"__repeat{run['args']['repeat']}" if run.get("repeats", 1) > 1 else ""
     log_path = os.path.join(log_dir, run["name"].replace("/", "__") + suffix + ".log")
+    figures = log_path[:-len(".log")] + ".json"
+    if os.path.exists(figures):
+        os.remove(figures)  # an earlier launch's
+    cmd += ["--figures", figures]
     start = time.time()
     name = "python"
     if BY_FILE[run["script"]].distributed:  # the launcher run, also when started as `python -m` its module
@@ -273,7 +279,7 @@ def execute(run: dict, i: int, n: int, gpus: int, results: str, log_dir: str, t0
         code = proc.wait()
     status = "timeout" if timed_out else ("ok" if code == 0 else EXIT_STATUS.get(code, "failed"))
     print(f"    -> {status} in {time.time() - start:.0f}s (log: {os.path.relpath(log_path, PROJECT_ROOT)})", flush=True)
-    return code, status, lines
+    return code, status, lines, read_figures(figures)
 
 
 def record_missing(run: dict, status: str, error: str, results: str, gpus: int) -> None:
@@ -345,27 +351,25 @@ def _announce(opts, runs: list, device: str, gpus: int, repeats: int) -> None:
               "(the preset's cpu_emulated_half_args)")
 
 
-def _launch(opts, run: dict, i: int, n: int, gpus: int, device: str, done: list, relaunch: int, t0: float) -> str:
+def _launch(opts, run: dict, i: int, n: int, gpus: int, relaunch: int, t0: float) -> str:
     """One run of the matrix, launched again up to `relaunch` times while its window found the host busy; its
     status. A launch that wrote no row gets one that says why."""
     status = "ok"
     for attempt in range(relaunch + 1):
-        code, status, lines = execute(run, i, n, gpus, opts.results, opts.log_dir, t0)
-        now = done_rows(opts.results, run, device)
+        code, status, lines, row = execute(run, i, n, gpus, opts.results, opts.log_dir, t0)
         if attempt and status != "ok":  # the busy launch's ok row stands; the failed relaunch's log says why
             print("    the launch again did not end ok: the busy launch is kept", flush=True)
             return "ok"
-        if len(now) == len(done):
+        if row is None:
             record_missing(run, status if status != "ok" else "failed", last_error_line(lines), opts.results, gpus)
             return status
-        if status != "ok" or not is_busy(busy_pct(now[-1])):
+        if status != "ok" or not is_busy(busy_pct(row)):
             return status
         again = attempt < relaunch
-        share = describe(now[-1].get("host_other_pct"), now[-1].get("host_steal_pct"))
+        share = describe(row.get("host_other_pct"), row.get("host_steal_pct"))
         print(f"    the host was busy in its window ({share}): "
               + (f"launched again ({attempt + 1} of {relaunch}); the report reads the newest launch" if again
                  else "kept, busy"), flush=True)
-        done = now
     return status
 
 
@@ -394,6 +398,6 @@ def run_matrix(opts) -> int:
             print(f"[{i}/{len(runs)}] {run['name']}: needs a GPU, recorded as skipped")
             record_missing(run, "skipped", "needs CUDA devices (see docs/gpu-first-hour.md)", opts.results, gpus)
         else:
-            failures += _launch(opts, run, i, len(runs), gpus, device, done, relaunch, t0) != "ok"
+            failures += _launch(opts, run, i, len(runs), gpus, relaunch, t0) != "ok"
     print(f"matrix done in {time.time() - t0:.0f}s, {failures} run(s) not ok")
     return failures
