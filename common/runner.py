@@ -112,7 +112,7 @@ def launch(main, script_file: str, cfg_cls=TrainConfig, **defaults) -> None:
             row.update(predicted(entry, cfg, row, ok=code == 0))
             append_row(cfg.results, row)
             if getattr(cfg, "figures", ""):
-                write_figures(cfg.figures, row)
+                _figures(cfg.figures, row)
     except UsageError as exc:
         print(f"{script}: error: {exc}", file=sys.stderr)
         code = code or 2
@@ -144,6 +144,15 @@ def predicted(entry, cfg, row: dict, ok: bool = True) -> dict:
     time = timepred.columns(run, beside(cfg.results), row.get("loader_img_s"), row.get("step_ms_p50"))
     notes = _joined(row.get("notes"), out.pop("notes", None), time.pop("notes", None))
     return {**out, **time, "notes": notes}
+
+
+def _figures(path: str, row: dict) -> None:
+    """The row again as JSON for benchmark.py (--figures): once the row is in the CSV, a failure here costs the run
+    nothing but this file (the matrix then reads the run's status from its exit code alone)."""
+    try:
+        write_figures(path, row)
+    except (OSError, TypeError, ValueError) as exc:
+        print(f"warning: --figures {path}: {_one_line(exc)}", file=sys.stderr, flush=True)
 
 
 def _joined(*notes) -> str | None:

@@ -123,9 +123,8 @@ def _shipped_zero(strategy: str) -> dict:
     import re
 
     stage = re.fullmatch(r"(?:accelerate_)?deepspeed_zero(\d)(?:_offload)?", strategy)
-    if stage is None:
-        return {}
-    return _zero_of(os.path.join(PROJECT_ROOT, "config", f"zero_stage{stage.group(1)}_config.json"))
+    path = os.path.join(PROJECT_ROOT, "config", f"zero_stage{stage.group(1) if stage else ''}_config.json")
+    return _zero_of(path) if stage is not None and os.path.exists(path) else {}  # no shipped JSON for ZeRO-0
 
 
 def _zero_of_row(get, strategy: str) -> dict:

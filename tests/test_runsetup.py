@@ -41,6 +41,8 @@ def test_a_row_of_an_earlier_release_gets_the_shipped_json_of_its_stage():
     with open("config/zero_stage3_config.json") as fh:
         assert from_row(row).zero == json.load(fh)["zero_optimization"] and from_row(row).zero_stage == 3
     assert from_row({**row, "world_size": ""}) is None and from_row({**row, "strategy": ""}) is None
+    zero0 = from_row({**row, "strategy": "deepspeed_zero0"})  # no shipped JSON for it: none assumed
+    assert zero0.zero == {} and setup_of(zero0) is None
 
 
 def test_the_single_device_scripts_are_the_models_half_and_amp():

@@ -233,6 +233,20 @@ def test_a_run_in_lockstep_meets_the_others_before_every_optimizer_step(monkeypa
         assert _sync_ms([window, window]) == pytest.approx(100.0, abs=1e-6)  # what calibrate adds to every step
 
 
+def test_the_lockstep_harness_hands_a_launchers_local_rank_to_the_script():
+    """The deepspeed launcher starts `harness --local_rank=0 SPEC WAITS script flags` (its launch.py puts the flag
+    straight after what it starts): the harness's own arguments are read past it, and the script gets it first."""
+    from common.bench.lockstep import arguments, in_lockstep
+
+    cmd = in_lockstep(["deepspeed", "--num_gpus", "1", "pytorch_DeepSpeed.py", "--x", "1"], "pytorch_DeepSpeed.py",
+                      "127.0.0.1:9:2", "w.json")
+    harness = cmd.index("pytorch_DeepSpeed.py") - 3
+    launched = [cmd[harness], "--local_rank=0", *cmd[harness + 1:]]  # what the launcher runs
+    got = arguments(launched[1:])
+    assert got == ("127.0.0.1:9:2", "w.json", "pytorch_DeepSpeed.py", ["--local_rank=0", "--x", "1"])
+    assert arguments(["h:1:2", "w.json", "s.py", "--a"]) == ("h:1:2", "w.json", "s.py", ["--a"])
+
+
 def test_a_strategy_entry_gets_steps_for_its_profiled_collectives_on_top():
     """A one-process entry profiles its collectives in --comm-steps steps before its window (the matrix's own
     spelling too): calibrate adds them to the samples, so the window keeps its --steps timed steps."""

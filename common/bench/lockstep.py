@@ -107,6 +107,17 @@ def window_waits(path: str, timed_steps: int) -> tuple[float, float | None]:
     return sum(w for w, _ in pairs) / len(pairs), (sum(lasts) / len(lasts) if lasts else None)
 
 
+def arguments(argv: list[str]) -> tuple[str, str, str, list[str]]:
+    """(spec, waits file, script, the script's arguments) of the harness's command line. The deepspeed launcher
+    puts --local_rank=N straight after the script it starts (deepspeed/launcher/launch.py), which is the
+    harness here: it is the training script's, and goes right after that script, where the launcher meant it."""
+    args, passed = list(argv), []
+    while args and args[0].startswith("--local_rank"):
+        passed.append(args.pop(0))
+    spec, out, script, *rest = args
+    return spec, out, script, passed + rest
+
+
 if __name__ == "__main__":
     os.chdir(ROOT)
-    run(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])
+    run(*arguments(sys.argv[1:]))

@@ -360,8 +360,9 @@ def _launch(opts, run: dict, i: int, n: int, gpus: int, relaunch: int, t0: float
         if attempt and status != "ok":  # the busy launch's ok row stands; the failed relaunch's log says why
             print("    the launch again did not end ok: the busy launch is kept", flush=True)
             return "ok"
-        if row is None:
-            record_missing(run, status if status != "ok" else "failed", last_error_line(lines), opts.results, gpus)
+        if row is None:  # no figures: a run that ended ok wrote its row before them (common/runner.py _figures)
+            if status != "ok":
+                record_missing(run, status, last_error_line(lines), opts.results, gpus)
             return status
         if status != "ok" or not is_busy(busy_pct(row)):
             return status

@@ -11,8 +11,7 @@ the previous mark to its own, so the phases tile the window and their sum is the
                         it waited for (DDP's last buckets, FSDP's unprefetched gathers, ZeRO's
                         broadcasts, a pipeline's receives), and on CPU its own share of a collective
                         (inside the dispatcher op: gloo's reduce-scatter copies its whole input there)
-  step_other_ms         the rest: the loop's bookkeeping, progress lines, the non-finite check (and,
-                        with --lockstep, the wait for the other runs)
+  step_other_ms         the rest: the loop's bookkeeping, progress lines, the non-finite check
   step_ms_mean          their sum: the window's time per optimizer step (what throughput inverts)
 Each is per optimizer step, the mean over the window's steps, then the mean over ranks.
 

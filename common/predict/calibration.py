@@ -9,7 +9,7 @@ results/calibration.json holds, with the machine's fingerprint (device name, CPU
            that many ranks gets (benchmark.py's OMP_NUM_THREADS rule): two ranks on two cores compete
            for the cores and the memory bandwidth as the real run's ranks do; the slowest process
            counts. On a GPU one process measures (each rank has its own device).
-           The processes meet before every optimizer step (--lockstep); sync_ms is the least of their
+           The processes meet before every optimizer step (common/bench/lockstep.py); sync_ms is the least of their
            mean waits there: what the step-to-step variation of n ranks adds to a synchronous step
            beyond the slowest one's mean (calibrate.py _sync_ms; 0 for one process, absent before).
   links    per world size: latency (us) and bus bandwidth (GB/s) of each collective, fitted to

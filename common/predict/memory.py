@@ -29,7 +29,7 @@ import functools
 import math
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -508,10 +508,6 @@ def _deepspeed(s: Setup, p: Prediction, units, shapes, n, slots, half) -> Predic
         largest_unit = max(sum(_numel(sh) for sh in u) for u in units)
         p.comm = dt * (persistent + min(n, max(prefetch, 2 * largest_unit)))
     return p
-
-
-def setup_for(s: Setup, strategy: str) -> Setup:
-    return replace(s, strategy=strategy)
 
 
 def setup_of(s: RunSetup) -> Setup | None:

@@ -49,9 +49,9 @@ def step_setup(run: RunSetup):
     from .memory import Setup
 
     if run.pipeline:
+        # its stages' pieces are calibrated in NCHW (calibrate _piece_times), as a pipeline's run is priced
         setup = Setup(model=run.model, image_size=run.image_size, batch_size=run.batch_size,
-                      world_size=run.world_size, precision=run.half, optimizer=run.optimizer, strategy="single",
-                      channels_last=run.channels_last)
+                      world_size=run.world_size, precision=run.half, optimizer=run.optimizer, strategy="single")
         return setup, run.strategy
     setup = setup_of(run)
     if setup is None:
