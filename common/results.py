@@ -54,9 +54,6 @@ GROUPS = {
 # last: why a column that should hold a figure is empty (an instrument that had nothing to measure), and a
 # failure's line
 COLUMNS = CONTRACT + [c for group in GROUPS.values() for c in group] + ["notes", "error"]
-# the step model's prediction by component, beside the measured step_*_ms (they add up to pred_step_ms)
-PRED_TIME_PARTS = ["pred_data_ms", "pred_compute_ms", "pred_comm_exposed_ms", "pred_optimizer_ms"]
-HOST = GROUPS["host"]
 # COLUMNS is this release's header; pyproject.toml's version says the same (tests/test_results.py)
 SCHEMA_VERSION = "0.8.0"
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..models import fsdp_units, meta_model, model_facts, norm_numel  # noqa: F401  (re-exported)
+from ..models import meta_model, model_facts, norm_numel
 from ..runsetup import RunSetup
 from ..strategies import model_strategy, of, sized
 

@@ -35,7 +35,7 @@ from .calibration import compute_mode, compute_of, find_compute, find_link, find
 from .memory import setup_of
 from .timemodel import Link, predict_step
 
-# StepPrediction.parts() -> the row's columns (common/results.py PRED_TIME_PARTS)
+# StepPrediction.parts() -> the row's columns (common/results.py GROUPS["model"])
 PARTS = {"data": "pred_data_ms", "compute": "pred_compute_ms", "comm_exposed": "pred_comm_exposed_ms",
          "optimizer": "pred_optimizer_ms"}
 COLUMNS = ("pred_step_ms", "pred_img_s", "pred_time_error_pct", *PARTS.values())
@@ -44,7 +44,6 @@ COLUMNS = ("pred_step_ms", "pred_img_s", "pred_time_error_pct", *PARTS.values())
 def step_setup(run: RunSetup):
     """(the step model's Setup, its strategy) of a run, or (None, why): a pipeline is priced on the whole
     model's Setup with its schedule as the strategy."""
-    from dataclasses import replace
 
     from .memory import Setup
 
@@ -56,7 +55,7 @@ def step_setup(run: RunSetup):
     setup = setup_of(run)
     if setup is None:
         return None, f"no step model for {run.strategy or run.script}"
-    return replace(setup), setup.strategy
+    return setup, setup.strategy
 
 
 def _where(run: RunSetup) -> tuple[str, int, int]:
