@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
-# The first GPU lease's script (about 6 minutes on one H100): the GPU-defaults issue's measurements first.
-#   1. the memory layout's own share: NCHW vs channels-last at the same batch, loader and precision;
-#   2. the defaults as they are: pytorch_auto_mixed_precision.py with no precision or layout flag;
-#   3. the GPU tier (`pytest -m gpu`), what time is left.
-# Every row, log and the environment go under $OUT (at most 8 files come back): rows.csv, logs.tgz, env.txt,
-# gpu_tier.txt. Run from the repository root: bash .gpu/run.sh
+# A GPU lease's script, in the guide's order; each part fits one call (under 10 minutes on one H100):
+#   part 1 (about 6 minutes): the GPU-defaults issue's measurements: the memory layout's own share (NCHW vs
+#          channels-last at the same batch, loader and precision), the defaults as they are
+#          (pytorch_auto_mixed_precision.py with no flag, at 256 and at the articles' 32), then the peer trainer
+#          beside ours (.gpu/peer.sh: NVIDIA's ResNet50 v1.5 trainer, 3 launches each; bash .gpu/fetch_peer.sh
+#          before the lease, and carry ["shared/peer"]);
+#   part 2 (about 4 minutes): the what-if issue's check: calibrate on this GPU, the throughput preset's
+#          single-GPU rows beside it, `benchmark.py predict` (tests/gpu/test_gpu.py
+#          test_throughput_single_rows_predicted_within_10pct: the calibration took 93 s on an H100, a row ~30 s);
+#          then the rest of the GPU tier (`pytest -m gpu`) in what is left of the call's 10 minutes.
+# Usage, from the repository root: bash .gpu/run.sh [1|2|all]  (all: both parts in one call, the tier last).
+# Under $OUT (at most 8 files come back): env.txt, rows.csv, logs.tgz (part 1), peer.tgz, whatif.txt,
+# whatif.tgz (calibration.json, summary.csv, logs), gpu_tier.txt.
 set -uo pipefail
+PART=${1:-all}
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 ROWS=$OUT/rows.csv; LOGS=$OUT/logs; mkdir -p "$LOGS"
+export OUT ROWS
 { nvidia-smi; python -c "import torch, torchvision; print(torch.__version__, torch.version.cuda, torchvision.__version__)"
-  pip list 2>/dev/null | grep -iE "^(torch|torchvision|deepspeed|accelerate) "; git rev-parse HEAD; } > "$OUT/env.txt" 2>&1
-COMMON="--dataset synthetic --no-pretrained --model resnet50 --image-size 224 --epochs 1 --max-steps 80
+  pip list 2>/dev/null | grep -iE "^(torch|torchvision|deepspeed|accelerate) "; git rev-parse HEAD
+  cat shared/peer/REVISIONS 2>/dev/null; } > "$OUT/env.txt" 2>&1
+COMMON="--dataset synthetic --no-pretrained --model resnet50 --image-size 224 --epochs 1 --max-steps 60
         --timing-warmup-steps 20 --train-samples 40000 --test-samples 512 --warmup-steps 0 --log-every 20
         --results $ROWS --save-dir /tmp/ckpt"
 run() {  # name, script, flags...
@@ -18,15 +28,27 @@ run() {  # name, script, flags...
   timeout 300 python "$script" $COMMON --run-name "lease/$name" "$@" > "$LOGS/$name.log" 2>&1
   echo "$name exit $?"
 }
-# 1. layout at the same batch (256) and loader (gpu): AMP bf16, TF32, fp32
-for layout in no-channels-last channels-last; do
-  run "amp_bf16_gpu_${layout}" pytorch_auto_mixed_precision.py --precision bf16 --batch-size 256 --loader gpu --$layout
-  run "tf32_gpu_${layout}" pytorch_SingleGPU.py --tf32 --batch-size 256 --loader gpu --$layout
-  run "fp32_gpu_${layout}" pytorch_SingleGPU.py --batch-size 256 --loader gpu --$layout
-done
-# 2. the defaults as a user meets them (fp16 + GradScaler, NCHW, 4 CPU workers), at 256 and at the articles' 32
-run amp_defaults_256 pytorch_auto_mixed_precision.py --batch-size 256 --workers 4
-run amp_defaults_32 pytorch_auto_mixed_precision.py --batch-size 32 --workers 4 --max-steps 200
-# 3. the GPU tier, in what is left of the command's 10 minutes
-timeout 200 python -m pytest -q -m gpu tests -x > "$OUT/gpu_tier.txt" 2>&1; echo "gpu tier exit $?"
+if [ "$PART" = 1 ] || [ "$PART" = all ]; then
+  # the layout at the same batch (256) and loader (gpu): AMP bf16, TF32, fp32
+  for layout in no-channels-last channels-last; do
+    run "amp_bf16_gpu_${layout}" pytorch_auto_mixed_precision.py --precision bf16 --batch-size 256 --loader gpu --$layout
+    run "tf32_gpu_${layout}" pytorch_SingleGPU.py --tf32 --batch-size 256 --loader gpu --$layout
+    run "fp32_gpu_${layout}" pytorch_SingleGPU.py --batch-size 256 --loader gpu --$layout
+  done
+  # the defaults as a user meets them (fp16 + GradScaler, NCHW, 4 CPU workers), at 256 and at the articles' 32
+  run amp_defaults_256 pytorch_auto_mixed_precision.py --batch-size 256 --workers 4
+  run amp_defaults_32 pytorch_auto_mixed_precision.py --batch-size 32 --workers 4 --max-steps 200
+  bash .gpu/peer.sh
+  tar czf "$OUT/peer.tgz" -C "$OUT" peer && rm -r "$OUT/peer"
+fi
+if [ "$PART" = 2 ] || [ "$PART" = all ]; then
+  # the what-if check, its calibration and rows kept for the campaign folder
+  GPU_TIER_KEEP="$OUT/whatif" timeout 330 python -m pytest -q -m gpu tests/gpu -rA -k throughput_single_rows \
+    > "$OUT/whatif.txt" 2>&1; echo "what-if check exit $?"
+  tar czf "$OUT/whatif.tgz" -C "$OUT" whatif && rm -r "$OUT/whatif"
+  # the rest of the GPU tier, in what is left of the call's 10 minutes (SECONDS: bash's clock since start)
+  left=$(( 570 - SECONDS )); if [ "$left" -gt 30 ]; then
+    timeout "$left" python -m pytest -q -m gpu tests -x -k "not throughput_single_rows" > "$OUT/gpu_tier.txt" 2>&1
+    echo "gpu tier exit $?"; else echo "gpu tier: no time left ($SECONDS s used)"; fi
+fi
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"

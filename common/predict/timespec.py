@@ -185,12 +185,12 @@ def link_for(name: str = "", busbw_gbps: float = 0.0, gpu: str = "", gpus_per_no
 
 
 def epoch_s(step_ms: float, eval_step_ms: float, setup, dataset_images: int, eval_images: int,
-            loader_img_s: float = 0.0) -> tuple[float, float]:
+            loader_img_s: float = 0.0, drop_last: bool = False) -> tuple[float, float]:
     """(training s, evaluation s) of one epoch as the articles timed it: every optimizer step of the training
-    set (the last one partial: a DataLoader without drop_last, priced as a whole step), held to the loader's
-    rate where one is given (its workers build the next batches while the step runs), then one evaluation pass
-    over the test set, each rank its share at its micro-batch."""
-    steps = math.ceil(dataset_images / setup.batch_size)
+    set (the last one partial, priced as a whole step, unless the loader drops it: `drop_last`), held to the
+    loader's rate where one is given (its workers build the next batches while the step runs), then one
+    evaluation pass over the test set, each rank its share at its micro-batch."""
+    steps = (dataset_images // setup.batch_size) if drop_last else math.ceil(dataset_images / setup.batch_size)
     if loader_img_s:
         step_ms = max(step_ms, setup.batch_size / loader_img_s * 1e3)
     info = of(setup.strategy)

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -329,6 +330,38 @@ def test_calibrated_step_model_predicts_single_and_ddp(tmp_path):
                                            "pred_optimizer_ms", "step_optimizer_ms", "pred_data_ms", "step_data_ms",
                                            "loader_img_s", "pred_time_error_pct")})
         assert abs(err) <= 15, (script, row["pred_step_ms"], row["step_ms_p50"], row["notes"])
+
+
+# the throughput preset's single-GPU rows (config/benchmark.yaml) and the calibration modes they need
+THROUGHPUT_SINGLE = ("pytorch_SingleGPU.py", "single_tf32", "amp_bf16", "amp_bf16_fast")
+
+
+def test_throughput_single_rows_predicted_within_10pct(tmp_path):
+    """Issue 60's GPU check: `calibrate` on this GPU (the throughput preset's single-device setups, its
+    channels-last entry at 256 from the preset's amp_bf16_fast run), then the preset's single-GPU rows with that
+    calibration beside their results, then `benchmark.py predict`'s evaluation: every row within 10% of its
+    median step. GPU_TIER_KEEP=DIR keeps the calibration, rows and logs there (.gpu/run.sh: the campaign's)."""
+    from common.bench.predict import evaluate
+
+    keep = os.environ.get("GPU_TIER_KEEP")
+    out = Path(keep) if keep else tmp_path
+    out.mkdir(parents=True, exist_ok=True)
+    cal, csv = out / "calibration.json", out / "summary.csv"  # the runner reads the calibration beside the CSV
+    only = [r for r in THROUGHPUT_SINGLE if BF16 or "bf16" not in r]
+    steps = [["calibrate", "--preset", "throughput", "--modes", "fp32,tf32,amp_bf16" if BF16 else "fp32,tf32",
+              "--world-sizes", "1", "--no-strategies", "--microbatches", "0", "--out", str(cal)],
+             ["run", "--preset", "throughput", "--only", ",".join(only), "--results", str(csv), "--force",
+              "--log-dir", str(out / "logs"), "--report", str(out / "REPORT.md"), "--save-dir", str(tmp_path / "ckpt")],
+             ["predict", "--results", str(csv), "--calibration", str(cal)]]
+    for argv in steps:
+        proc = subprocess.run([sys.executable, "benchmark.py", *argv], cwd=ROOT, env=clean_env(), capture_output=True,
+                              text=True, timeout=900)
+        print(proc.stdout[-4000:])  # -rA keeps the predict table in the log
+        assert proc.returncode == 0, (argv[0], proc.stderr[-3000:])
+    ev = evaluate(str(csv), str(cal))
+    assert not ev.missing and len(ev.med) == len(only), (ev.missing, list(ev.med.index))
+    errors = (100 * (ev.med.now_ms / ev.med.step_ms_p50 - 1)).round(1).to_dict()
+    assert all(abs(e) <= 10 for e in errors.values()), errors
 
 
 # --- the multi-GPU and multi-node paths (issue 58): what a lent multi-GPU machine runs first ---

@@ -1,0 +1,5 @@
+"""The stand-in's ops (see __init__.py): any name, failing when used."""
+
+
+def __getattr__(name):
+    raise RuntimeError(f"DALI is not installed: nvidia.dali.ops.{name} is a stand-in")
