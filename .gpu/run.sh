@@ -8,14 +8,17 @@
 #   part 2 (about 4 minutes): the what-if issue's check: calibrate on this GPU, the throughput preset's
 #          single-GPU rows beside it, `benchmark.py predict` (tests/gpu/test_gpu.py
 #          test_throughput_single_rows_predicted_within_10pct: the calibration took 93 s on an H100, a row ~30 s);
-#          then the rest of the GPU tier (`pytest -m gpu`) in what is left of the call's 10 minutes.
-# Usage, from the repository root: bash .gpu/run.sh [1|2|all]  (all: both parts in one call, the tier last).
+#          then the rest of the GPU tier (`pytest -m gpu`) in what is left of BUDGET_S (default 570 s: set it to
+#          the call's limit less a margin when the lease has less left).
+# Usage, from the repository root: bash .gpu/run.sh 1, then bash .gpu/run.sh 2 (each one call).
 # Under $OUT (at most 8 files come back): env.txt, rows.csv, logs.tgz (part 1), peer.tgz, whatif.txt,
 # whatif.tgz (calibration.json, summary.csv, logs), gpu_tier.txt.
 set -uo pipefail
-PART=${1:-all}
+PART=${1:-}
+case "$PART" in 1|2) ;; *) echo "usage: bash .gpu/run.sh 1|2 (one call each)"; exit 2;; esac
+BUDGET_S=${BUDGET_S:-570}
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-ROWS=$OUT/rows.csv; LOGS=$OUT/logs; mkdir -p "$LOGS"
+ROWS=$OUT/rows.csv; LOGS=$OUT/logs
 export OUT ROWS
 { nvidia-smi; python -c "import torch, torchvision; print(torch.__version__, torch.version.cuda, torchvision.__version__)"
   pip list 2>/dev/null | grep -iE "^(torch|torchvision|deepspeed|accelerate) "; git rev-parse HEAD
@@ -28,7 +31,8 @@ run() {  # name, script, flags...
   timeout 300 python "$script" $COMMON --run-name "lease/$name" "$@" > "$LOGS/$name.log" 2>&1
   echo "$name exit $?"
 }
-if [ "$PART" = 1 ] || [ "$PART" = all ]; then
+if [ "$PART" = 1 ]; then
+  mkdir -p "$LOGS"
   # the layout at the same batch (256) and loader (gpu): AMP bf16, TF32, fp32
   for layout in no-channels-last channels-last; do
     run "amp_bf16_gpu_${layout}" pytorch_auto_mixed_precision.py --precision bf16 --batch-size 256 --loader gpu --$layout
@@ -40,15 +44,19 @@ if [ "$PART" = 1 ] || [ "$PART" = all ]; then
   run amp_defaults_32 pytorch_auto_mixed_precision.py --batch-size 32 --workers 4 --max-steps 200
   bash .gpu/peer.sh
   tar czf "$OUT/peer.tgz" -C "$OUT" peer && rm -r "$OUT/peer"
+  tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"
 fi
-if [ "$PART" = 2 ] || [ "$PART" = all ]; then
+if [ "$PART" = 2 ]; then
   # the what-if check, its calibration and rows kept for the campaign folder
-  GPU_TIER_KEEP="$OUT/whatif" timeout 330 python -m pytest -q -m gpu tests/gpu -rA -k throughput_single_rows \
+  cap=$(( BUDGET_S - SECONDS < 400 ? BUDGET_S - SECONDS : 400 ))
+  GPU_TIER_KEEP="$OUT/whatif" timeout "$cap" python -m pytest -q -m gpu tests/gpu -rA -k throughput_single_rows \
     > "$OUT/whatif.txt" 2>&1; echo "what-if check exit $?"
+  # the matrix and calibrate start each run in a session of its own: a timeout above does not reach them, so a
+  # run it cut short is ended here, before the tier shares the card with it
+  pkill -f -- "benchmark.py (calibrate|run)" 2>/dev/null; pkill -f -- "pytorch_(SingleGPU|auto_mixed_precision)\.py" 2>/dev/null
   tar czf "$OUT/whatif.tgz" -C "$OUT" whatif && rm -r "$OUT/whatif"
   # the rest of the GPU tier, in what is left of the call's 10 minutes (SECONDS: bash's clock since start)
-  left=$(( 570 - SECONDS )); if [ "$left" -gt 30 ]; then
+  left=$(( BUDGET_S - SECONDS )); if [ "$left" -gt 30 ]; then
     timeout "$left" python -m pytest -q -m gpu tests -x -k "not throughput_single_rows" > "$OUT/gpu_tier.txt" 2>&1
     echo "gpu tier exit $?"; else echo "gpu tier: no time left ($SECONDS s used)"; fi
 fi
-tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"

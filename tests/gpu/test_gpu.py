@@ -344,9 +344,11 @@ def test_throughput_single_rows_predicted_within_10pct(tmp_path):
     from common.bench.predict import evaluate
 
     keep = os.environ.get("GPU_TIER_KEEP")
-    out = Path(keep) if keep else tmp_path
+    out = Path(keep).resolve() if keep else tmp_path
     out.mkdir(parents=True, exist_ok=True)
     cal, csv = out / "calibration.json", out / "summary.csv"  # the runner reads the calibration beside the CSV
+    for old in (cal, csv):  # a kept folder's earlier rows would be evaluated with these
+        old.unlink(missing_ok=True)
     only = [r for r in THROUGHPUT_SINGLE if BF16 or "bf16" not in r]
     steps = [["calibrate", "--preset", "throughput", "--modes", "fp32,tf32,amp_bf16" if BF16 else "fp32,tf32",
               "--world-sizes", "1", "--no-strategies", "--microbatches", "0", "--out", str(cal)],

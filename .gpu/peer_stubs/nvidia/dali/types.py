@@ -2,4 +2,6 @@
 
 
 def __getattr__(name):
+    if name.startswith("__"):  # hasattr() and import machinery probes
+        raise AttributeError(name)
     raise RuntimeError(f"DALI is not installed: nvidia.dali.types.{name} is a stand-in")
