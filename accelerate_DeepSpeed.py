@@ -85,7 +85,7 @@ def main(cfg):
     state = accelerator.get_state_dict(model)  # a collective under ZeRO-3: every rank calls it
     save_final(state, cfg, __file__)
     stage = ds_config["zero_optimization"].get("stage", 0)
-    return metrics, {"precision": precision if precision == "fp32" else f"ds_{precision}",
+    return metrics, {"precision": precision,
                      "strategy": f"accelerate_deepspeed_zero{stage}"}
 
 

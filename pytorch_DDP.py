@@ -70,7 +70,7 @@ def main(cfg):
     metrics = fit(cfg, model, train_loader, test_loader, hooks,
                   Checkpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     save_final(model.module.state_dict(), cfg, __file__)
-    return metrics, {"precision": cfg.precision if dtype == torch.float32 else f"amp_{cfg.precision}"}
+    return metrics
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def main(cfg):
     optimizer.consolidate_state_dict(to=0)  # a collective: every rank takes part, rank 0 receives
     if global_rank() == 0:
         torch.save(optimizer.state_dict(), path.replace("model_final.pt", "optimizer_final.pt"))
-    return metrics, {"precision": cfg.precision if dtype == torch.float32 else f"amp_{cfg.precision}"}
+    return metrics
 
 
 if __name__ == "__main__":

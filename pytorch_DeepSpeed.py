@@ -94,7 +94,7 @@ def main(cfg):
         barrier()
         if global_rank() == 0:
             save_final(get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag="final"), cfg, __file__)
-    return metrics, {"precision": precision if precision == "fp32" else f"ds_{precision}",
+    return metrics, {"precision": precision,
                      "strategy": f"deepspeed_zero{stage}" + ("_offload" if cfg.offload else "")}
 
 

@@ -101,8 +101,7 @@ def main(cfg):
                   DCPCheckpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     save_final(full, cfg, __file__)  # a collective above; rank 0 alone holds and writes the full weights
-    return metrics, {"precision": cfg.precision if dtype == torch.float32 else f"mp_{cfg.precision}",
-                     "strategy": f"fsdp_{cfg.sharding}" + ("_offload" if cfg.cpu_offload else "")}
+    return metrics, {"strategy": f"fsdp_{cfg.sharding}" + ("_offload" if cfg.cpu_offload else "")}
 
 
 if __name__ == "__main__":

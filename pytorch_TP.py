@@ -102,8 +102,7 @@ def main(cfg):
                   DCPCheckpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     save_final(merge_attention(full), cfg, __file__)  # a collective above; rank 0 writes
-    return metrics, {"precision": cfg.precision if dtype == torch.float32 else f"amp_{cfg.precision}",
-                     "strategy": "tp" if dp == 1 else "tp_fsdp", "tp_size": cfg.tp}
+    return metrics, {"strategy": "tp" if dp == 1 else "tp_fsdp", "tp_size": cfg.tp}
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def main(cfg):
                   Checkpointer(cfg, __file__, model, optimizer, scheduler, scaler, train_loader))
     save_final(model.state_dict(), cfg, __file__)
     suffix = ("+bn32" if cfg.bn_fp32 else "") + (f"+ls{cfg.loss_scale:g}" if cfg.loss_scale != 1.0 else "")
-    return metrics, {"precision": f"pure_{cfg.precision}{suffix}"}
+    return metrics, {"precision": f"{cfg.precision}{suffix}"}
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .config import TrainConfig, UsageError
 from .distributed import all_gather_object, barrier, global_rank, grouped
+from .launching import local_world_size
 
 
 def check_shared_dir(folder: str, environ=os.environ) -> None:
@@ -30,8 +31,8 @@ def check_shared_dir(folder: str, environ=os.environ) -> None:
     second node's ranks would fail at the first epoch's end, after an epoch of training. Rank 0 writes a
     token there; each rank reads it after a collective; all learn who could not. Skipped on one node
     (the launcher's local world is the whole world: one filesystem)."""
-    local = environ.get("LOCAL_WORLD_SIZE", environ.get("LOCAL_SIZE"))  # torchrun's, the deepspeed launcher's
-    if not grouped() or dist.get_world_size() == 1 or (local is not None and int(local) == dist.get_world_size()):
+    local = local_world_size(environ)
+    if not grouped() or dist.get_world_size() == 1 or local == dist.get_world_size():
         return
     import secrets
     import socket

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision.transforms import v2
 
 from .config import TrainConfig, UsageError
+from .launching import local_world_size
 from .names import NUM_CLASSES
 
 CIFAR_FOLDER = "cifar-10-batches-py"
@@ -228,7 +229,7 @@ def node_cpus(environ=os.environ) -> tuple[int, int]:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # macOS, Windows
         cpus = os.cpu_count() or 1
-    return cpus, max(1, int(environ.get("LOCAL_WORLD_SIZE", environ.get("LOCAL_SIZE", "1")) or 1))
+    return cpus, max(1, local_world_size(environ) or 1)
 
 
 _SIZED: list[str] = []  # the line size_workers printed (once per process)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig, UsageError
-from .launching import free_port
+from .launching import free_port, local_world_size
 
 
 @dataclass
@@ -39,8 +39,8 @@ def pick_device(cfg, local_rank: int = 0) -> torch.device:
     if cfg.device == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     visible = torch.cuda.device_count()
-    node = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE"))
-    if node is not None and int(node) > visible:
+    node = local_world_size()
+    if node is not None and node > visible:
         raise UsageError(f"{node} processes on this node (the launcher's LOCAL_WORLD_SIZE) but {visible} GPU"
                          f"{'s are' if visible > 1 else ' is'} visible: start at most {visible} per node "
                          f"(torchrun --nproc-per-node, GPUS_PER_NODE), one per GPU")
@@ -142,8 +142,8 @@ def gloo_on_loopback_when_one_node(environ=os.environ) -> bool:
     (torchrun LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE) is the whole world."""
     import socket
 
-    local = environ.get("LOCAL_WORLD_SIZE", environ.get("LOCAL_SIZE"))
-    if "GLOO_SOCKET_IFNAME" in environ or local is None or local != environ.get("WORLD_SIZE"):
+    local = local_world_size(environ)
+    if "GLOO_SOCKET_IFNAME" in environ or local is None or str(local) != environ.get("WORLD_SIZE"):
         return False
     loopback = [name for _, name in socket.if_nameindex() if name in ("lo", "lo0")]  # lo0: macOS
     if loopback:

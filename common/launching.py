@@ -13,6 +13,14 @@ import os
 LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def local_world_size(environ=None) -> int | None:
+    """The processes this process's launcher started on its node: torchrun's LOCAL_WORLD_SIZE, the deepspeed
+    launcher's LOCAL_SIZE; None where neither is set (one plain process, or a launcher that says nothing)."""
+    env = os.environ if environ is None else environ
+    value = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE")
+    return int(value) if value else None
+
+
 def launch_env(threads: int | None = None, nproc: int = 1, environ=None) -> dict:
     """The environment of a run started from here: the caller's launch variables removed, output unbuffered,
     and OMP_NUM_THREADS set explicitly, one rule for every launcher (torchrun and accelerate launch set 1 for

@@ -18,7 +18,9 @@ Fields:
   preset_args / cpu_preset_args  flags every preset adds for this script (all hardware / CPU only)
   label        prefix of the CSV's `precision` for a run that is not fp32: how the half precision is
                applied (amp_ autocast, pure_ the whole model cast, mp_ FSDP's MixedPrecisionPolicy,
-               ds_ DeepSpeed's own fp16/bf16 engine); empty: the precision as given
+               ds_ DeepSpeed's own fp16/bf16 engine); empty: the precision as given. The scripts report the
+               precision they ran (fp16, bf16, DeepSpeed's from its JSON); the runner labels every row with it
+               (Script.labelled), a failed run's too
 """
 from __future__ import annotations
 
@@ -60,6 +62,11 @@ class Script:
     @property
     def name(self) -> str:
         return self.file[:-3]
+
+    def labelled(self, precision: str) -> str:
+        """The CSV's `precision` of a run of this script that ran in `precision` (fp32, fp16, bf16, with the
+        half script's +bn32/+ls suffixes): the label before it, fp32 as it is."""
+        return precision if precision == "fp32" or not self.label else self.label + precision
 
 
 _HALF = dict(preset_args={"precision": "fp16"}, cpu_preset_args={"precision": "bf16"})  # fp16 is emulated on CPU

@@ -109,6 +109,7 @@ def launch(main, script_file: str, cfg_cls=TrainConfig, **defaults) -> None:
     try:
         if cfg is not None and write_row(code):
             row = {**base_row(cfg, script, strategy, entry.libraries), **row_extra}
+            row["precision"] = entry.labelled(str(row["precision"]))  # the registry's label, one place for all
             row.update(predicted(entry, cfg, row, ok=code == 0))
             append_row(cfg.results, row)
             if getattr(cfg, "figures", ""):

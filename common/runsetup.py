@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 
 from .config import PROJECT_ROOT
+from .launching import local_world_size
 from .strategies import of
 
 # the row's explicit setup columns beyond the contract's (common/results.py COLUMNS, group "run")
@@ -85,11 +86,11 @@ def resolve(entry, cfg, row: dict, environ=os.environ) -> RunSetup:
     if entry.deepspeed_config:
         zero = _zero_of(environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or getattr(cfg, "deepspeed_config", ""))
         stage = int(zero.get("stage", 0))
-    local = environ.get("LOCAL_WORLD_SIZE", environ.get("LOCAL_SIZE"))  # torchrun's, the deepspeed launcher's
+    local = local_world_size(environ)
     return RunSetup(
         script=entry.file, strategy=str(row["strategy"]), precision=str(row["precision"]), model=cfg.model,
         image_size=cfg.image_size, batch_size=cfg.batch_size, world_size=int(row["world_size"]),
-        local_world_size=int(local) if local else 0, optimizer=cfg.optimizer, momentum=cfg.momentum,
+        local_world_size=local or 0, optimizer=cfg.optimizer, momentum=cfg.momentum,
         grad_accum=cfg.grad_accum, grad_checkpointing=cfg.grad_checkpointing, channels_last=cfg.channels_last,
         tf32=bool(cfg.tf32), loader=cfg.loader, workers=cfg.workers, tp=int(row.get("tp_size") or 1),
         microbatches=int(row.get("microbatches") or 1), split=str(getattr(cfg, "split", "") or ""),

@@ -13,7 +13,7 @@ from helpers import ROOT, spawn_ranks
 
 from common.config import DistributedConfig, TrainConfig
 from common.distributed import init_distributed
-from common.launching import free_port
+from common.launching import free_port, local_world_size
 
 
 def test_dist_timeout_reaches_the_process_group(monkeypatch):
@@ -127,6 +127,16 @@ def test_generated_job_files_give_each_step_the_jobs_cpus(tmp_path):
     text = slurm.sbatch_text(run, opts, str(tmp_path / "s.csv"), str(tmp_path))
     export = text.index("export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK")
     assert export < text.index('srun "$PYTHON" pytorch_SingleGPU.py')
+
+
+def test_the_nodes_process_count_is_read_from_either_launcher():
+    """torchrun's LOCAL_WORLD_SIZE, else the deepspeed launcher's LOCAL_SIZE; nothing set (one plain process, or
+    an empty value) is None. One reader for the device check, the loader's workers, the shared-folder check, the
+    loopback choice and the row."""
+    assert local_world_size({"LOCAL_WORLD_SIZE": "4", "LOCAL_SIZE": "2"}) == 4
+    assert local_world_size({"LOCAL_SIZE": "2"}) == 2
+    assert local_world_size({"LOCAL_WORLD_SIZE": "", "LOCAL_SIZE": "8"}) == 8
+    assert local_world_size({}) is None and local_world_size({"LOCAL_WORLD_SIZE": ""}) is None
 
 
 def test_loader_workers_are_sized_to_the_nodes_cpus(monkeypatch, capsys):

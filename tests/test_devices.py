@@ -56,9 +56,10 @@ def test_local_rank_is_made_the_index_of_the_device_picked(monkeypatch):
     assert device_for_rank(TrainConfig()) == torch.device("cuda", 0)
     assert os.environ["LOCAL_RANK"] == "0" and local_rank() == 3
     fake_cuda(monkeypatch, 4)  # four visible GPUs: LOCAL_RANK 2 is cuda:2 already, nothing to change
-    monkeypatch.setenv(NODE_LOCAL_RANK, "2")
+    monkeypatch.delenv(NODE_LOCAL_RANK)
     monkeypatch.setenv("LOCAL_RANK", "2")
     assert device_for_rank(TrainConfig()) == torch.device("cuda", 2) and os.environ["LOCAL_RANK"] == "2"
+    assert NODE_LOCAL_RANK not in os.environ  # no launcher's index to keep aside: the two agree
 
 
 def test_cpu_offload_gets_a_cpu_backend_beside_nccl():

@@ -155,3 +155,19 @@ def test_a_launcher_not_beside_python_runs_as_its_module(tmp_path, monkeypatch, 
         assert f"from {module} import main" in path.read_text()
     source = open(importlib.util.find_spec(module).origin).read()
     assert re.search(r"^if __name__ == .__main__.:\n\s+main\(\)", source, re.M)
+
+
+def test_a_row_the_matrix_records_for_a_run_is_labelled_as_the_runner_labels(tmp_path):
+    """A run killed or timed out gets the row it would have started (matrix.record_missing): its precision
+    carries the script's label, as the runner's rows do (Script.labelled)."""
+    from common.results import read_rows
+
+    path = os.path.join(ROOT, "config", "benchmark.yaml")
+    smoke = {r["name"]: r for r in matrix.load_matrix(path, "smoke", None, gpus=0)}
+    csv = str(tmp_path / "s.csv")
+    for name in ("smoke/pytorch_auto_mixed_precision", "smoke/pytorch_SingleGPU"):
+        matrix.record_missing(smoke[name], "timeout", "killed", csv, 0)
+    got = [r["precision"] for r in read_rows(csv)]
+    assert got == ["amp_bf16", "fp32"], got
+    assert registry.BY_FILE["pytorch_half_precision.py"].labelled("fp16+bn32") == "pure_fp16+bn32"
+    assert registry.BY_FILE["accelerate_DDP.py"].labelled("bf16") == "bf16"  # accelerate's: as given

@@ -12,12 +12,21 @@ from common.launching import free_port
 from common.results import COLUMNS
 
 
-def run_launch(monkeypatch, tmp_path, main):
+def run_launch(monkeypatch, tmp_path, main, script="pytorch_SingleGPU.py", *args):
     monkeypatch.setattr(sys, "argv", ["x.py", "--results", str(tmp_path / "s.csv"), "--model", "resnet18",
-                                      "--batch-size", "64"])
+                                      "--batch-size", "64", *args])
     with pytest.raises(SystemExit) as exc:
-        runner.launch(main, "pytorch_SingleGPU.py")
+        runner.launch(main, script)
     return exc.value.code, rows(tmp_path / "s.csv")
+
+
+def test_a_failed_run_is_labelled_as_its_ok_rows_are(monkeypatch, tmp_path):
+    """The registry's label goes before the precision in every row the runner writes: an AMP run that failed
+    says amp_bf16, as its ok rows do, so the report sets it beside them."""
+    def main(cfg):
+        raise RuntimeError("cuDNN error")
+    code, got = run_launch(monkeypatch, tmp_path, main, "pytorch_auto_mixed_precision.py", "--precision", "bf16")
+    assert code == 1 and got[0]["status"] == "failed" and got[0]["precision"] == "amp_bf16", got
 
 
 def test_out_of_memory_is_a_row_and_exit_4(monkeypatch, tmp_path, capsys):

@@ -297,7 +297,7 @@ def record_missing(run: dict, status: str, error: str, results: str, gpus: int) 
     row = base_row(cfg, s.file, s.strategy, s.libraries)
     used = command(run, gpus, results)[1]
     append_row(results, {**row, "world_size": used, "num_devices": used, "status": status, "error": error,
-                         "cpu_threads": None})
+                         "cpu_threads": None, "precision": s.labelled(str(row["precision"]))})
 
 
 def repeat_of(row: dict) -> int:
