@@ -31,7 +31,7 @@ import yaml
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
 
-from common.config import UsageError  # noqa: E402
+from common.config import OneLineParser, UsageError  # noqa: E402
 
 
 def add_matrix_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +54,8 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(opts) -> int:
+    if os.path.isdir(opts.report):  # written after every run: refused before them
+        raise UsageError(f"--report {opts.report}: a folder; give the Markdown file's path")
     if opts.launcher == "slurm":  # one sbatch job per run
         from common.bench.slurm import run_slurm as run_matrix
     else:
@@ -69,6 +71,8 @@ def cmd_report(opts) -> int:
     from common.report import update_readme, write_report
 
     reference = os.path.join(ROOT, "results", "reference.csv")
+    if not os.path.isfile(opts.results):  # never an existing report rewritten as "No runs yet" from a typo
+        raise UsageError(f"results file not found: {opts.results} (run a preset first, or name the CSV)")
     path = write_report(opts.results, opts.report, reference)
     print(f"report: {os.path.relpath(path, ROOT)}")
     if getattr(opts, "readme", None):
@@ -195,8 +199,8 @@ COMMANDS = {
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}", parser_class=OneLineParser)
     for name, (help_, add_args, handler) in COMMANDS.items():
         p = sub.add_parser(name, help=help_.replace("%", "%%"), description=help_)  # help is %-formatted
         add_args(p)
@@ -218,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benchmark.py: error: {exc}", file=sys.stderr)
         return 2
     except (OSError, yaml.YAMLError, KeyError) as exc:
-        print(f"benchmark.py: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        first = (str(exc).splitlines() or [""])[0]  # a YAML error's text runs over several lines
+        print(f"benchmark.py: error: {type(exc).__name__}: {first}", file=sys.stderr)
         return 2
 
 

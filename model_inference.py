@@ -26,7 +26,7 @@ import torch
 from common import DTYPES, EvalConfig, UsageError, build_model, configure_backends, opt, pick_device
 from common.data import build_test_loader
 from common.distributed import synchronize
-from common.results import append_row
+from common.results import append_row, check_results_path
 from common.runner import device_name, git_commit, launch_tool
 
 COLUMNS = ["timestamp", "checkpoint", "script", "backend", "precision", "batch_size", "latency_ms_p50",
@@ -175,6 +175,7 @@ def ort_runner(session, device: torch.device):
 
 
 def main(cfg):
+    check_results_path(cfg.results, COLUMNS, HISTORY)  # before any checkpoint is read
     device = pick_device(cfg)
     configure_backends(cfg, device)
     dtype = DTYPES[cfg.precision]

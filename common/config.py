@@ -165,6 +165,8 @@ def load_yaml(path: str, cls=TrainConfig) -> dict[str, Any]:
             data = yaml.safe_load(fh)
     except FileNotFoundError:
         raise UsageError(f"config file not found: {path}") from None
+    except OSError as exc:  # a folder, no permission
+        raise UsageError(f"config file {path} cannot be read ({exc.strerror})") from None
     except yaml.YAMLError as exc:
         raise UsageError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if data is None:
@@ -203,6 +205,9 @@ def validate(cfg: EvalConfig) -> EvalConfig:
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+OneLineParser = _Parser  # benchmark.py's subcommands refuse bad flags the same way
 
 
 def _groups(parser, cls) -> dict[str, Any]:

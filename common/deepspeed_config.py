@@ -54,6 +54,8 @@ def resolve_ds_config(cfg: TrainConfig, path: str, world_size: int, micro_batch:
             ds = json.load(fh)
     except FileNotFoundError:
         raise UsageError(f"DeepSpeed config not found: {path}") from None
+    except OSError as exc:  # a folder, no permission
+        raise UsageError(f"DeepSpeed config {path} cannot be read ({exc.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"DeepSpeed config {path} is not valid JSON ({exc})") from None
     if not isinstance(ds, dict):

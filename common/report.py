@@ -17,7 +17,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from .config import PROJECT_ROOT  # noqa: E402
+from .config import PROJECT_ROOT, UsageError  # noqa: E402
 from .measure.host import BUSY_PCT, describe, is_busy  # noqa: E402
 from .predict.stats import NOISY_IQR, median, summarize  # noqa: E402
 from .results import COLUMNS, read_rows  # noqa: E402
@@ -99,7 +99,7 @@ def replace_block(text: str, name: str, content: str) -> str:
     """Replaces what stands between <!-- name:start --> and <!-- name:end --> in text."""
     pattern = re.compile(rf"(<!-- {name}:start -->).*?(<!-- {name}:end -->)", re.S)
     if not pattern.search(text):
-        raise ValueError(f"no <!-- {name}:start/end --> markers")
+        raise UsageError(f"no <!-- {name}:start/end --> markers: not this project's README")
     return pattern.sub(lambda m: m.group(1) + "\n" + content.strip() + "\n" + m.group(2), text)
 
 

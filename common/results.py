@@ -130,6 +130,8 @@ def upgrade(path: str, columns: list[str] = COLUMNS, history: list[list[str]] = 
 
 def check_results_path(path: str, columns: list[str] = COLUMNS, history: list[list[str]] = HISTORY) -> None:
     """Fails early (before training) when the results file could not take a row."""
+    if not path or os.path.isdir(path):
+        raise UsageError(f"--results {path!r}: a CSV file path is needed")
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(folder, exist_ok=True)

@@ -86,6 +86,8 @@ def launch(main, script_file: str, cfg_cls=TrainConfig, **defaults) -> None:
         cfg = parse_config(cfg_cls, doc, entry.precisions, **defaults)
         if global_rank() == 0:
             check_results_path(cfg.results)
+        if cfg.save_dir and os.path.exists(cfg.save_dir) and not os.path.isdir(cfg.save_dir):
+            raise UsageError(f"--save-dir {cfg.save_dir}: a file, not a folder (weights go in <save-dir>/<script>/)")
         out = main(cfg)
         metrics, overrides = out if isinstance(out, tuple) else (out, {})
         row_extra = {**metrics.row(), **overrides}

@@ -13,6 +13,7 @@ strategy in that order whose predicted peak fits with headroom.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import replace
 
 from ..config import UsageError
@@ -79,9 +80,14 @@ def check(opts) -> None:
         raise UsageError(f"--interconnect {opts.interconnect!r} unknown; one of: {', '.join(LINKS)}")
     if opts.inter_node not in ("ib200", "ib400"):
         raise UsageError(f"--inter-node {opts.inter_node!r}: ib200 or ib400")
-    for name in ("gpus_per_node", "eval_images", "loader_img_s"):
-        if getattr(opts, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(opts, name)}")
+    for name in ("gpus_per_node", "eval_images", "loader_img_s", "busbw_gbps", "gpu_memory_gib"):
+        value = getattr(opts, name, 0)
+        if value is not None and not (0 <= value < math.inf):  # nan and inf fail this too
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number >= 0; got {value}")
+    if getattr(opts, "dataset_images", 1) < 1:
+        raise UsageError(f"--dataset-images must be >= 1; got {opts.dataset_images}")
+    if getattr(opts, "tp", 2) < 2:
+        raise UsageError(f"--tp must be >= 2 (the tp_fsdp row's tensor-parallel degree); got {opts.tp}")
     if opts.gpu_memory_gib is None and opts.gpu:
         opts.gpu_memory_gib = GPU_MEMORY_GIB[opts.gpu]
     if opts.gpu_memory_gib is None:

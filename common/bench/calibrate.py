@@ -546,7 +546,10 @@ def _plan(opts):
     import yaml
 
     with open(opts.matrix) as fh:
-        presets = (yaml.safe_load(fh) or {}).get("presets", {})
+        doc = yaml.safe_load(fh)
+    presets = doc.get("presets") if isinstance(doc, dict) else None
+    if not isinstance(presets, dict):
+        raise UsageError(f"{opts.matrix}: not a matrix file (a mapping with 'presets:' at its top)")
     if opts.preset not in presets:
         raise UsageError(f"unknown preset '{opts.preset}'; choose from {', '.join(sorted(presets))}")
     args = presets[opts.preset].get("args", {})
@@ -568,6 +571,7 @@ def _plan(opts):
     p.device = torch.device("cuda", 0) if p.cuda else torch.device("cpu")
     p.worlds = _worlds(opts, p.cuda)
     _check_counts(opts)
+    _check_out(opts.out)
     p.workers = loader_workers(opts.workers, args, p.cuda)
     p.max_bytes = _link_max(opts.link_max_bytes, p.model, p.image)
     p.min_bytes = _link_min(opts.link_min_bytes, p.max_bytes)
@@ -587,7 +591,21 @@ def _worlds(opts, cuda: bool) -> list[int]:
     return worlds
 
 
+def _check_out(path: str) -> None:
+    """--out is written when every entry is measured: a path that cannot hold it, or a file that is not a
+    calibration (a results CSV given by mistake), is refused before any of that work."""
+    from ..predict.calibration import load
+
+    if not path or os.path.isdir(path):
+        raise UsageError(f"--out {path!r}: a file path is needed (the calibration's JSON)")
+    if os.path.exists(path) and load(path) is None:
+        raise UsageError(f"--out {path}: exists and is not a calibration file; give another path")
+
+
 def _check_counts(opts) -> None:
+    for flag in ("threads", "batch_size"):  # 0: not given (the cores' share, the preset's batch)
+        if (getattr(opts, flag, 0) or 0) < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(opts, flag)}: 0 (the default) or more")
     if opts.steps < 1:
         raise UsageError(f"--steps {opts.steps}: at least 1 timed step")
     if opts.repeats < 1:

@@ -206,7 +206,7 @@ def _loads(path: str, model: str, image_size: int) -> bool:
 
 
 def doctor(opts) -> int:
-    from .matrix import hardware, load_matrix, run_matrix
+    from .matrix import hardware, load_matrix, run_matrix, world_size_runs
 
     print("# environment")
     for key, value in environment():
@@ -216,6 +216,8 @@ def doctor(opts) -> int:
         print("\nno CUDA device: the GPU checks are skipped; running and checking what CPU can run")
     only = [s.strip() for s in opts.only.split(",")] if opts.only else None
     runs = load_matrix(opts.matrix, opts.preset, only, gpus, opts.save_dir)
+    if getattr(opts, "world_sizes", ""):  # refused here, before any work and before the file below is moved
+        world_size_runs(runs, opts.world_sizes, getattr(opts, "scaling", "strong"), gpus)
     if not gpus and any(BY_FILE[r["script"]].deepspeed_config for r in runs):
         print("DeepSpeed's CPU op, before any run's timeout starts (compiled once per environment): ", end="",
               flush=True)
@@ -224,8 +226,8 @@ def doctor(opts) -> int:
         except Exception as exc:  # the DeepSpeed runs will say it again, in their rows
             print(f"failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", flush=True)
     opts.dry_run = False
-    if os.path.exists(opts.results):
-        os.remove(opts.results)  # the doctor's own file: each doctor run starts clean
+    if os.path.exists(opts.results):  # each doctor run starts clean; the earlier file is kept beside it
+        os.replace(opts.results, opts.results + ".previous")
     print(f"\n# {opts.preset} preset ({len(runs)} runs), results in {os.path.relpath(opts.results, PROJECT_ROOT)}")
     opts.runs = runs
     run_matrix(opts)

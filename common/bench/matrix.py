@@ -85,7 +85,10 @@ def _emulated_half(spec: dict, script: str, args: dict, gpus: int) -> dict:
 def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_dir: str = "") -> list[dict]:
     """The preset's runs; save_dir (benchmark.py --save-dir) replaces every run's checkpoint folder."""
     with open(path) as fh:
-        presets = yaml.safe_load(fh)["presets"]
+        doc = yaml.safe_load(fh)
+    presets = doc.get("presets") if isinstance(doc, dict) else None
+    if not isinstance(presets, dict):
+        raise UsageError(f"{path}: not a matrix file (a mapping with 'presets:' at its top)")
     if preset not in presets:
         raise UsageError(f"unknown preset '{preset}'; {path} has: {', '.join(presets)}")
     spec = presets[preset]

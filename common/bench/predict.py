@@ -116,7 +116,7 @@ def evaluate(results: str, calibration: str, workers: int = 0) -> Evaluation:
 
 
 def predict(opts) -> int:
-    from ..predict.calibration import DEFAULT
+    from ..predict.calibration import DEFAULT, load
     from ..report import busy_launches, pairs_sentence
 
     if not os.path.isfile(opts.results):
@@ -124,6 +124,10 @@ def predict(opts) -> int:
     calibration = opts.calibration or DEFAULT
     if not os.path.isfile(calibration):
         raise UsageError(f"calibration file not found: {calibration} (run benchmark.py calibrate)")
+    if load(calibration) is None:
+        raise UsageError(f"{calibration} is not a calibration file (benchmark.py calibrate writes one)")
+    if getattr(opts, "workers", 0) < 0:
+        raise UsageError(f"--workers {opts.workers}: 0 or more")
     ev = evaluate(opts.results, calibration, opts.workers)
     med, span = ev.med, ev.span
     print(f"{opts.results}: each run's step predicted again by this checkout's step model from {calibration}; "
