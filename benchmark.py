@@ -37,12 +37,12 @@ from common.config import OneLineParser, UsageError  # noqa: E402
 def add_matrix_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="smoke",
                    help="a preset of the matrix file: smoke, seed, throughput, time or large in config/benchmark.yaml")
-    p.add_argument("--only", default="", help="comma-separated scripts or run names of the preset")
+    p.add_argument("--only", default=None, help="comma-separated scripts or run names of the preset")
     p.add_argument("--matrix", default=os.path.join(ROOT, "config", "benchmark.yaml"), help="matrix file")
     p.add_argument("--log-dir", default="results/logs", help="one log file per run")
     p.add_argument("--force", action="store_true", help="rerun runs already in the CSV")
-    p.add_argument("--world-sizes", default="", help="comma-separated process counts, e.g. 1,2,4,8: every distributed "
-                   "run of the preset once per count (capped at the machine's GPUs; 1 and 2 on CPU)")
+    p.add_argument("--world-sizes", default=None, help="comma-separated process counts, e.g. 1,2,4,8: every "
+                   "distributed run of the preset once per count (capped at the machine's GPUs; 1 and 2 on CPU)")
     p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
                    help="with --world-sizes: strong keeps the global batch; weak keeps the per-rank batch "
                         "(the preset's batch_size and train_samples are per rank, multiplied by the world size)")
@@ -53,9 +53,25 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", default="results/REPORT.md", help="Markdown report (charts beside it)")
 
 
-def cmd_run(opts) -> int:
-    if os.path.isdir(opts.report):  # written after every run: refused before them
+def _check_run_flags(opts) -> None:
+    """Flags that would otherwise be ignored or mean their opposite, refused before any run."""
+    if os.path.isdir(opts.report):  # written after every run
         raise UsageError(f"--report {opts.report}: a folder; give the Markdown file's path")
+    for flag in ("only", "world_sizes"):  # an empty list is a mistake, not "everything"
+        value = getattr(opts, flag, "")
+        if value is not None and not value.replace(",", "").strip():
+            raise UsageError(f"--{flag.replace('_', '-')} {value!r}: names no run")
+    if opts.scaling == "weak" and not opts.world_sizes:
+        raise UsageError("--scaling weak applies to a --world-sizes sweep: give --world-sizes too")
+    slurm = [f"--{k.replace('_', '-')}" for k, off in (("nodes", 1), ("gpus_per_node", 0), ("partition", ""),
+                                                       ("account", ""), ("time", ""), ("sbatch_arg", []))
+             if getattr(opts, k, off) != off]
+    if slurm and opts.launcher != "slurm":
+        raise UsageError(f"{', '.join(slurm)}: Slurm's flags; add --launcher slurm (or drop them)")
+
+
+def cmd_run(opts) -> int:
+    _check_run_flags(opts)
     if opts.launcher == "slurm":  # one sbatch job per run
         from common.bench.slurm import run_slurm as run_matrix
     else:

@@ -54,6 +54,9 @@ def test_foreign_files_and_out_of_range_numbers_are_refused(tmp_path, capsys):
         assert word in refused(capsys, a100 + flags), flags
     assert "--threads" in refused(capsys, ["calibrate", "--threads", "-1", "--model", "resnet18"])
     assert "--report" in refused(capsys, ["run", "--preset", "smoke", "--report", str(tmp_path), "--dry-run"])
+    for flags, word in ((["--only", ""], "--only"), (["--world-sizes", ","], "--world-sizes"),
+                        (["--scaling", "weak"], "--world-sizes"), (["--nodes", "2", "--partition", "p"], "--launcher")):
+        assert word in refused(capsys, ["run", "--preset", "smoke", "--dry-run", *flags]), flags
 
 
 @pytest.mark.slow
