@@ -9,7 +9,7 @@ set -euo pipefail
 MIRROR=${MIRROR:-/work/.mirror}
 DLE=$MIRROR/NVIDIA+DeepLearningExamples/repo
 DLL=$MIRROR/NVIDIA+dllogger/repo
-DLE_REV=${DLE_REV:-729963dd}  # the newest snapshot fetched (24.03); ConvNets last changed 2023-03-24 (a684cf05)
+DLE_REV=${DLE_REV:-729963dd}  # the mirror's newest snapshot (release 24.03), the revision the lease pins
 DLL_REV=${DLL_REV:-v1.0.0}    # the tag ConvNets' requirements.txt pins
 rm -rf shared/peer && mkdir -p shared/peer/dllogger
 git --git-dir="$DLE" archive "$DLE_REV" PyTorch/Classification/ConvNets | tar -x -C shared/peer --strip-components=2

@@ -543,13 +543,10 @@ def _plan(opts):
     import types
 
     import torch
-    import yaml
 
-    with open(opts.matrix) as fh:
-        doc = yaml.safe_load(fh)
-    presets = doc.get("presets") if isinstance(doc, dict) else None
-    if not isinstance(presets, dict):
-        raise UsageError(f"{opts.matrix}: not a matrix file (a mapping with 'presets:' at its top)")
+    from .matrix import read_presets
+
+    presets = read_presets(opts.matrix)
     if opts.preset not in presets:
         raise UsageError(f"unknown preset '{opts.preset}'; choose from {', '.join(sorted(presets))}")
     args = presets[opts.preset].get("args", {})

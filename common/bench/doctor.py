@@ -206,7 +206,7 @@ def _loads(path: str, model: str, image_size: int) -> bool:
 
 
 def doctor(opts) -> int:
-    from .matrix import hardware, load_matrix, run_matrix, world_size_runs
+    from .matrix import hardware, load_matrix, only_of, run_matrix, world_size_runs
 
     print("# environment")
     for key, value in environment():
@@ -214,7 +214,7 @@ def doctor(opts) -> int:
     gpus, device = hardware()
     if not gpus:
         print("\nno CUDA device: the GPU checks are skipped; running and checking what CPU can run")
-    only = [s.strip() for s in opts.only.split(",")] if opts.only else None
+    only = only_of(opts)
     runs = load_matrix(opts.matrix, opts.preset, only, gpus, opts.save_dir)
     if getattr(opts, "world_sizes", ""):  # refused here, before any work and before the file below is moved
         world_size_runs(runs, opts.world_sizes, getattr(opts, "scaling", "strong"), gpus)

@@ -82,13 +82,24 @@ def _emulated_half(spec: dict, script: str, args: dict, gpus: int) -> dict:
     return extra
 
 
-def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_dir: str = "") -> list[dict]:
-    """The preset's runs; save_dir (benchmark.py --save-dir) replaces every run's checkpoint folder."""
+def read_presets(path: str) -> dict:
+    """The presets of a matrix file, refused in one line when the file is not one."""
     with open(path) as fh:
         doc = yaml.safe_load(fh)
     presets = doc.get("presets") if isinstance(doc, dict) else None
     if not isinstance(presets, dict):
         raise UsageError(f"{path}: not a matrix file (a mapping with 'presets:' at its top)")
+    return presets
+
+
+def only_of(opts) -> list[str] | None:
+    """--only as a list of scripts or run names; None: the whole preset."""
+    return [s.strip() for s in opts.only.split(",")] if opts.only else None
+
+
+def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_dir: str = "") -> list[dict]:
+    """The preset's runs; save_dir (benchmark.py --save-dir) replaces every run's checkpoint folder."""
+    presets = read_presets(path)
     if preset not in presets:
         raise UsageError(f"unknown preset '{preset}'; {path} has: {', '.join(presets)}")
     spec = presets[preset]
@@ -382,7 +393,7 @@ def run_matrix(opts) -> int:
     from ..results import check_results_path
 
     gpus, device = hardware()
-    only = [s.strip() for s in opts.only.split(",")] if opts.only else None
+    only = only_of(opts)
     repeats, relaunch = _counts(opts)
     runs = getattr(opts, "runs", None) or load_matrix(opts.matrix, opts.preset, only, gpus,
                                                       getattr(opts, "save_dir", ""))

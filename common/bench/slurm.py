@@ -21,7 +21,7 @@ from ..config import PROJECT_ROOT, TrainConfig, UsageError, to_flags
 from ..launching import free_port
 from ..registry import BY_FILE
 from ..results import check_results_path, read_rows
-from .matrix import EXIT_STATUS, last_error_line, load_matrix, record_missing
+from .matrix import EXIT_STATUS, last_error_line, load_matrix, only_of, record_missing
 
 TIME = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
 # Slurm job states (squeue/scontrol JobState) a run can end in, as the row's status
@@ -151,7 +151,7 @@ def run_slurm(opts) -> int:
         raise UsageError("--repeats, --world-sizes and --relaunch-busy run with the local launcher only (one sbatch "
                          "job per run has no rounds, world-size sweep or relaunch yet)")
     check_opts(opts)
-    only = [s.strip() for s in opts.only.split(",")] if opts.only else None
+    only = only_of(opts)
     runs = load_matrix(opts.matrix, opts.preset, only, opts.gpus_per_node, getattr(opts, "save_dir", ""))
     check_results_path(opts.results)
     job_dir = os.path.join(os.path.dirname(opts.results), "slurm")  # results/slurm beside results/summary.csv

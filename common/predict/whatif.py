@@ -8,18 +8,18 @@ checked error of a prediction's class ("how far to trust it").
                (8x A100 80GB)" (pytorch-21.03 container, 256 images a GPU): TF32 in NCHW, AMP fp16 in NHWC
                (configs.yml), optimizer batch 2048 (one GPU accumulates 8 batches), the batch copied on a side
                stream (PrefetchedWrapper), torch.optim.SGD as torch 1.9 ran it (a for-loop). Their benchmark
-               read real ImageNet JPEGs: configs.yml as the table was published (commit 7bdfc81d) gives
+               read real ImageNet JPEGs: configs.yml as it stood when the table was published gives
                data_backend pytorch (PIL decoding in DataLoader workers, 16 a GPU on DGXA100) and mixup 0.2,
                and the README's benchmark_training commands name an ImageNet path: the 8-GPU AMP run needed
                16,600 decoded images/s from the host, which no datasheet gives (advise --loader-img-s takes it)
   p40          the articles' 4x Tesla P40 (../shared/seeds/README.md): ResNet50/224 on CIFAR10, global batch 128,
                5 epochs of 50,000 images, each with an evaluation of 10,000 (their times include it). Their
-               repository as it was measured (github.com/xxcheng0708/pytorch-model-train-template, commit c843892,
+               repository as it was measured (github.com/xxcheng0708/pytorch-model-train-template, its first version,
                whose results/*.jpg print the durations: DataParallel 742 s, though pytorch_DP.py's docstring
                says 942): training loaders with drop_last=True (390 steps an epoch), 8 workers a process, no
                pinned memory, the test set split by DistributedSampler under DDP and FSDP (79 steps of 32 a
                rank), DataParallel fed its 128 images through GPU 0, FSDP1 wrapping every Conv2d and Linear
-               (55 units), no checkpoint saved (added later, a63d9f3)
+               (55 units), no checkpoint saved (a later version added it)
   transfer     the H200 rows from the H100 campaign's calibration, carried by the roofline's ratio
 """
 from __future__ import annotations
