@@ -83,6 +83,25 @@ def test_advise_rows_for_a_vit():
     assert not {s.strategy for s in setups(opts)} & {"tp", "tp_fsdp"}
 
 
+def test_advise_says_why_a_tp_row_is_left_out(capsys):
+    """A tp layout pytorch_TP.py cannot run is not a silent gap in advise's table: one line says why."""
+    import argparse
+
+    from common.bench.advise import add_args, advise
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    advise(p.parse_args(["--model", "vit_b_16", "--gpus", "4", "--tp", "3", "--precision", "bf16",
+                         "--gpu-memory-gib", "80"]))
+    out = capsys.readouterr().out
+    assert "not predicted: tp_fsdp: --tp 3 does not divide --gpus 4" in out.splitlines()
+    assert any(line.startswith("tp (tp 4) ") for line in out.splitlines())
+    advise(p.parse_args(["--model", "vit_b_16", "--gpus", "8", "--precision", "bf16", "--gpu-memory-gib", "80"]))
+    assert "not predicted: tp: tp 8 does not divide the model's 12 attention heads" in capsys.readouterr().out
+    advise(p.parse_args(["--model", "resnet50", "--gpus", "4", "--gpu-memory-gib", "80"]))
+    assert "not predicted" not in capsys.readouterr().out  # no tp layout to expect for a ResNet
+
+
 TOLERANCE = 1e-4  # test_equivalence's (4 SGD steps at lr 0.05; here 2)
 
 

@@ -146,24 +146,34 @@ def _zero_json(stage: int) -> dict:
 
 def _tp_setups(base: Setup, strategy: str, opts) -> list[Setup]:
     """pytorch_TP.py's layouts for a model it splits (a ViT): tp over every GPU; and --tp with FSDP over the
-    GPUs left (the 2-D mesh) when there are some. None where tp does not divide the heads, for fp16
-    (pytorch_TP.py trains in fp32 or bf16 autocast) and with --grad-checkpointing (pytorch_TP.py has none)."""
+    GPUs left (the 2-D mesh) when there are some. None where _tp_left_out gives a reason."""
+    if _tp_left_out(strategy, opts) is not None:
+        return []
+    tp = opts.gpus if strategy == "tp" else opts.tp
+    return [replace(base, strategy=strategy, world_size=opts.gpus, tp=tp)]
+
+
+def _tp_left_out(strategy: str, opts) -> str | None:
+    """Why pytorch_TP.py cannot run `strategy` (tp or tp_fsdp) as advised, or None: "" where the reason goes
+    without saying (one GPU, not a ViT), else a line for the user: tp must divide the GPUs and the heads,
+    pytorch_TP.py trains in fp32 or bf16 autocast and has no gradient checkpointing."""
     from ..models import meta_model
     from ..tensor_parallel import check_degree, tp_able
 
     tp = opts.gpus if strategy == "tp" else opts.tp
-    if opts.precision == "fp16" or opts.grad_checkpointing or opts.gpus < 2 or tp < 2 or opts.gpus % tp:
-        return []
-    if strategy == "tp_fsdp" and opts.gpus == tp:  # no dp ranks left: that is the tp row
-        return []
-    model = meta_model(opts.model, image_size=opts.image_size)
-    if not tp_able(model):
-        return []
+    if opts.gpus < 2 or not tp_able(meta_model(opts.model, image_size=opts.image_size)):
+        return ""
+    if strategy == "tp_fsdp" and opts.gpus == tp:
+        return ""  # no dp ranks left: that is the tp row
+    if opts.precision == "fp16" or opts.grad_checkpointing:
+        return "pytorch_TP.py trains in fp32 or bf16 autocast, without gradient checkpointing"
+    if opts.gpus % tp:
+        return f"--tp {tp} does not divide --gpus {opts.gpus}"
     try:
-        check_degree(model, tp)
-    except UsageError:
-        return []
-    return [replace(base, strategy=strategy, world_size=opts.gpus, tp=tp)]
+        check_degree(meta_model(opts.model, image_size=opts.image_size), tp)
+    except UsageError as e:
+        return str(e).replace(f"--tp {tp}", f"tp {tp}")
+    return None
 
 
 def recommend(preds: dict, opts) -> str:
@@ -215,6 +225,10 @@ def advise(opts) -> int:
         label = f"{s.strategy} (tp {s.tp})" if of(s.strategy).family in ("tp", "tp_fsdp") else s.strategy
         print(f"{label:<24}{s.world_size:>5}{s.precision:>6}" + "".join(f"{gib[c]:>8.2f}" for c in cols)
               + f"{gib['peak']:>8.2f}  {fits}")
+    for st in ("tp", "tp_fsdp"):
+        why = _tp_left_out(st, opts)
+        if why:
+            print(f"not predicted: {st}: {why}")
     print("recommendation: " + recommend(preds, opts))
     if opts.calibration or opts.gpu:
         from .advise_time import time_tables
