@@ -1,62 +1,96 @@
 #!/usr/bin/env bash
-# A GPU lease's script, in the guide's order; each part fits one call (under 10 minutes on one H100):
-#   part 1 (about 6 minutes): the GPU-defaults issue's measurements: the memory layout's own share (NCHW vs
-#          channels-last at the same batch, loader and precision), the defaults as they are
-#          (pytorch_auto_mixed_precision.py with no flag, at 256 and at the articles' 32), then the peer trainer
-#          beside ours (.gpu/peer.sh: NVIDIA's ResNet50 v1.5 trainer, 3 launches each; bash .gpu/fetch_peer.sh
-#          before the lease, and carry ["shared/peer"]);
-#   part 2 (about 4 minutes): the what-if issue's check: calibrate on this GPU, the throughput preset's
-#          single-GPU rows beside it, `benchmark.py predict` (tests/gpu/test_gpu.py
-#          test_throughput_single_rows_predicted_within_10pct: the calibration took 93 s on an H100, a row ~30 s);
-#          then the rest of the GPU tier (`pytest -m gpu`) in what is left of BUDGET_S (default 570 s: set it to
-#          the call's limit less a margin when the lease has less left).
-# Usage, from the repository root: bash .gpu/run.sh 1, then bash .gpu/run.sh 2 (each one call).
-# Under $OUT (at most 8 files come back): env.txt, rows.csv, logs.tgz (part 1), peer.tgz, whatif.txt,
-# whatif.tgz (calibration.json, summary.csv, logs), gpu_tier.txt.
+# A GPU lease's script, in the guide's order, one call a part. A lease is 15 minutes of device time with the
+# machine's start (1-2 minutes) in it, and a warm machine goes back after 30 s idle: send part 2 at once.
+#   part 1 (about 7.5 minutes on an H100): the GPU-defaults issue's measurements, most wanted first: the memory
+#          layout's own share (NCHW vs channels-last at the same batch 256, GPU loader and precision: AMP bf16,
+#          TF32, fp32), the defaults as a user meets them (pytorch_auto_mixed_precision.py with no precision or
+#          layout flag, at 256 and at the articles' 32), then the peer trainer beside ours (.gpu/peer.sh);
+#   part 2 (about 4.5 minutes, then what is left): the what-if issue's check (tests/gpu/test_gpu.py
+#          test_throughput_single_rows_predicted_within_10pct: calibrate on this GPU, 93 s on an H100; the
+#          throughput preset's four single-GPU rows, ~33 s each; `benchmark.py predict`), then the rest of the
+#          GPU tier, the untimed tests four at a time, until the deadline.
+# Every step is skipped once its usual time no longer fits before DEADLINE_S (seconds from the start; default
+# 560: give the call timeout_s 600, or set DEADLINE_S to the lease's time left less a minute), so the call ends
+# by itself with all it measured packed under $OUT, where at most 8 files come back: env.txt, rows.csv,
+# logs.tgz (each run's log, the peer's logs and JSON, skipped.txt; part 1), whatif.txt, whatif.tgz
+# (calibration.json, summary.csv, REPORT.md, logs), gpu_tier.txt (part 2). Loose files are written under
+# $WORK (/tmp/lease) and packed after each step: a call cut short still returns what it finished.
+# Before the lease, here: bash .gpu/fetch_peer.sh (carry "shared/peer") and bash .gpu/fetch_wheels.sh (carry
+# ".whl": DeepSpeed for the tier; installed into /tmp/site when present).
+# Usage, from the repository root: bash .gpu/run.sh 1, then bash .gpu/run.sh 2.
 set -uo pipefail
 PART=${1:-}
 case "$PART" in 1|2) ;; *) echo "usage: bash .gpu/run.sh 1|2 (one call each)"; exit 2;; esac
-BUDGET_S=${BUDGET_S:-570}
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-ROWS=$OUT/rows.csv; LOGS=$OUT/logs
-export OUT ROWS
+DEADLINE_S=${DEADLINE_S:-560}
+export DEADLINE_AT=$(( $(date +%s) + DEADLINE_S ))
+OUT=${OUT:-/tmp/gpu_out}; WORK=${WORK:-/tmp/lease}; mkdir -p "$OUT" "$WORK/logs"
+ROWS=$WORK/rows.csv
+export OUT WORK ROWS
+left() { echo $(( DEADLINE_AT - $(date +%s) )); }
+if [ -d .whl ] && python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+     --target /tmp/site .whl/*.whl > "$WORK/logs/wheels.log" 2>&1; then
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+fi
 { nvidia-smi; python -c "import torch, torchvision; print(torch.__version__, torch.version.cuda, torchvision.__version__)"
-  pip list 2>/dev/null | grep -iE "^(torch|torchvision|deepspeed|accelerate) "; git rev-parse HEAD
+  python -m pip list 2>/dev/null | grep -iE "^(torch|torchvision|deepspeed|accelerate) "; git rev-parse HEAD
   cat shared/peer/REVISIONS 2>/dev/null; } > "$OUT/env.txt" 2>&1
+pack() {  # what part 1 has so far, into $OUT (a lock file stays in $WORK)
+  [ -f "$ROWS" ] && cp "$ROWS" "$OUT/rows.csv"
+  tar czf "$OUT/logs.tgz" -C "$WORK" logs 2>/dev/null
+}
+skip() { echo "$1 skipped: $(left) s left, needs ~$2" | tee -a "${3:-$WORK/logs/skipped.txt}"; }
 COMMON="--dataset synthetic --no-pretrained --model resnet50 --image-size 224 --epochs 1 --max-steps 60
         --timing-warmup-steps 20 --train-samples 40000 --test-samples 512 --warmup-steps 0 --log-every 20
         --results $ROWS --save-dir /tmp/ckpt"
-run() {  # name, script, flags...
-  local name=$1 script=$2; shift 2
-  timeout 300 python "$script" $COMMON --run-name "lease/$name" "$@" > "$LOGS/$name.log" 2>&1
-  echo "$name exit $?"
+run() {  # name, seconds it usually takes, script, flags...
+  local name=$1 need=$2 script=$3 l; shift 3; l=$(left)
+  if [ "$l" -lt "$need" ]; then skip "$name" "$need"; return; fi
+  timeout -k 10 $(( l < 300 ? l : 300 )) python "$script" $COMMON --run-name "lease/$name" "$@" \
+    > "$WORK/logs/$name.log" 2>&1
+  echo "$name exit $? at $(( DEADLINE_S - $(left) )) s"; pack
 }
 if [ "$PART" = 1 ]; then
-  mkdir -p "$LOGS"
-  # the layout at the same batch (256) and loader (gpu): AMP bf16, TF32, fp32
-  for layout in no-channels-last channels-last; do
-    run "amp_bf16_gpu_${layout}" pytorch_auto_mixed_precision.py --precision bf16 --batch-size 256 --loader gpu --$layout
-    run "tf32_gpu_${layout}" pytorch_SingleGPU.py --tf32 --batch-size 256 --loader gpu --$layout
-    run "fp32_gpu_${layout}" pytorch_SingleGPU.py --batch-size 256 --loader gpu --$layout
+  for prec in amp_bf16 tf32 fp32; do  # the layout at the same batch (256) and loader (gpu)
+    case $prec in
+      amp_bf16) script=pytorch_auto_mixed_precision.py; flags="--precision bf16"; need=40;;
+      tf32) script=pytorch_SingleGPU.py; flags="--tf32"; need=45;;
+      fp32) script=pytorch_SingleGPU.py; flags=""; need=55;;
+    esac
+    for layout in no-channels-last channels-last; do
+      run "${prec}_gpu_${layout}" $need $script $flags --batch-size 256 --loader gpu --$layout
+    done
   done
   # the defaults as a user meets them (fp16 + GradScaler, NCHW, 4 CPU workers), at 256 and at the articles' 32
-  run amp_defaults_256 pytorch_auto_mixed_precision.py --batch-size 256 --workers 4
-  run amp_defaults_32 pytorch_auto_mixed_precision.py --batch-size 32 --workers 4 --max-steps 200
-  bash .gpu/peer.sh
-  tar czf "$OUT/peer.tgz" -C "$OUT" peer && rm -r "$OUT/peer"
-  tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"
+  run amp_defaults_256 60 pytorch_auto_mixed_precision.py --batch-size 256 --workers 4
+  run amp_defaults_32 45 pytorch_auto_mixed_precision.py --batch-size 32 --workers 4 --max-steps 200
+  PEER_LOGS=$WORK/logs/peer bash .gpu/peer.sh
+  pack
 fi
 if [ "$PART" = 2 ]; then
-  # the what-if check, its calibration and rows kept for the campaign folder
-  cap=$(( BUDGET_S - SECONDS < 400 ? BUDGET_S - SECONDS : 400 ))
-  GPU_TIER_KEEP="$OUT/whatif" timeout "$cap" python -m pytest -q -m gpu tests/gpu -rA -k throughput_single_rows \
-    > "$OUT/whatif.txt" 2>&1; echo "what-if check exit $?"
+  # the what-if check, its calibration and rows kept for the campaign folder; -s streams the predict table
+  # into whatif.txt as it comes, and SIGINT lets pytest print its summary when the deadline cuts it
+  l=$(left)
+  if [ "$l" -ge 240 ]; then
+    GPU_TIER_KEEP="$WORK/whatif" PYTHONUNBUFFERED=1 timeout -s INT -k 20 $(( l - 30 )) python -m pytest -q -s -rfE \
+      -p no:cacheprovider -m gpu tests/gpu -k throughput_single_rows > "$OUT/whatif.txt" 2>&1
+    echo "what-if check exit $? at $(( DEADLINE_S - $(left) )) s"
+  else skip "what-if check" 240 "$OUT/whatif.txt"; fi
   # the matrix and calibrate start each run in a session of its own: a timeout above does not reach them, so a
   # run it cut short is ended here, before the tier shares the card with it
   pkill -f -- "benchmark.py (calibrate|run)" 2>/dev/null; pkill -f -- "pytorch_(SingleGPU|auto_mixed_precision)\.py" 2>/dev/null
-  tar czf "$OUT/whatif.tgz" -C "$OUT" whatif && rm -r "$OUT/whatif"
-  # the rest of the GPU tier, in what is left of the call's 10 minutes (SECONDS: bash's clock since start)
-  left=$(( BUDGET_S - SECONDS )); if [ "$left" -gt 30 ]; then
-    timeout "$left" python -m pytest -q -m gpu tests -x -k "not throughput_single_rows" > "$OUT/gpu_tier.txt" 2>&1
-    echo "gpu tier exit $?"; else echo "gpu tier: no time left ($SECONDS s used)"; fi
+  [ -d "$WORK/whatif" ] && tar czf "$OUT/whatif.tgz" -C "$WORK" whatif
+  # the rest of the GPU tier: the untimed tests four at a time (the timed ones would share the card), then the two
+  # timed ones alone, each part until the deadline
+  l=$(left)
+  if [ "$l" -ge 60 ]; then
+    timeout -s INT -k 15 $(( l - 40 )) python -m pytest -v -rfEs -p no:cacheprovider -m gpu tests/gpu -n 4 \
+      -k "not throughput_single_rows and not calibrated and not bubble_lane" > "$OUT/gpu_tier.txt" 2>&1
+    echo "gpu tier exit $? at $(( DEADLINE_S - $(left) )) s"
+    l=$(left)
+    if [ "$l" -ge 120 ]; then
+      timeout -s INT -k 15 $(( l - 15 )) python -m pytest -v -rfEs -p no:cacheprovider -m gpu tests/gpu \
+        -k "calibrated or bubble_lane" >> "$OUT/gpu_tier.txt" 2>&1
+      echo "gpu tier, timed tests, exit $?"
+    fi
+  else skip "gpu tier" 60 "$OUT/gpu_tier.txt"; fi
 fi

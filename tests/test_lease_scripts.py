@@ -47,3 +47,82 @@ print(sorted(p for p in nvidia.__path__))
         proc = subprocess.run([sys.executable, "-c", "import nvidia.cudnn, nvidia.dali"], env=env,
                               capture_output=True, text=True, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr
+
+
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+# stands in for the device's python: a training script appends its --run-name to its --results file
+case "$1" in -c|-m) exit 0;; esac
+results=""; name=""
+while [ $# -gt 0 ]; do case "$1" in --results) results=$2;; --run-name) name=$2;; esac; shift; done
+[ -n "$results" ] && echo "$name" >> "$results"
+exit 0
+"""
+
+
+def _lease(tmp_path, part: str, deadline_s: int) -> tuple[subprocess.CompletedProcess, str, str]:
+    bin_dir, out, work = tmp_path / "bin", tmp_path / "out", tmp_path / "work"
+    bin_dir.mkdir()
+    for name, text in (("python", FAKE_PYTHON), ("nvidia-smi", "#!/bin/sh\necho fake GPU\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "WORK": str(work),
+           "DEADLINE_S": str(deadline_s), "PEER": str(tmp_path / "no_peer")}
+    proc = subprocess.run(["bash", os.path.join(GPU_DIR, "run.sh"), part], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    return proc, str(out), str(work)
+
+
+def test_part_1_skips_what_no_longer_fits_and_packs_what_it_ran(tmp_path):
+    """With 50 s before the deadline, the runs that usually take longer are skipped (and listed), those that fit
+    run, and $OUT holds the rows and one archive of the logs: never more than the 8 files that come back."""
+    import tarfile
+
+    proc, out, _ = _lease(tmp_path, "1", 50)
+    assert proc.returncode == 0, proc.stderr
+    ran = open(os.path.join(out, "rows.csv")).read().split()
+    assert ran == ["lease/amp_bf16_gpu_no-channels-last", "lease/amp_bf16_gpu_channels-last",
+                   "lease/tf32_gpu_no-channels-last", "lease/tf32_gpu_channels-last", "lease/amp_defaults_32"]
+    assert sorted(os.listdir(out)) == ["env.txt", "logs.tgz", "rows.csv"]
+    with tarfile.open(os.path.join(out, "logs.tgz")) as tar:
+        names = tar.getnames()
+        skipped = tar.extractfile("logs/skipped.txt").read().decode()
+    assert "logs/amp_defaults_32.log" in names
+    assert [ln.split()[0] for ln in skipped.splitlines()] == ["fp32_gpu_no-channels-last", "fp32_gpu_channels-last",
+                                                              "amp_defaults_256"]
+
+
+def test_part_2_says_what_it_skipped_in_the_files_that_come_back(tmp_path):
+    proc, out, _ = _lease(tmp_path, "2", 100)
+    assert proc.returncode == 0, proc.stderr
+    assert "what-if check skipped" in open(os.path.join(out, "whatif.txt")).read()
+    assert os.path.exists(os.path.join(out, "gpu_tier.txt")) and len(os.listdir(out)) <= 8
+    (tmp_path / "short").mkdir()
+    proc, out, _ = _lease(tmp_path / "short", "2", 30)
+    assert "gpu tier skipped" in open(os.path.join(out, "gpu_tier.txt")).read()
+
+
+def test_the_peer_summary_takes_whole_accumulation_cycles_after_the_warm_up(tmp_path):
+    """The peer's figure is the mean iteration over iterations 17-96 (10 optimizer cycles of 8), whatever its slow
+    first iterations; ours is each launch's timed window; the ratio is of the medians."""
+    import json
+
+    peer_dir = tmp_path / "peer"
+    peer_dir.mkdir()
+    for k, it_ms in enumerate((64.0, 62.0, 66.0), 1):
+        lines = ['DLLL {"type": "PARAMETER", "step": "PARAMETER", "data": {}}']
+        for i in range(1, 100):
+            ms = 900.0 if i <= 3 else it_ms + (8.0 if i % 8 == 0 else 0.0)  # slow start; optimizer every 8th
+            lines.append("DLLL " + json.dumps({"type": "LOG", "step": [1, i], "data": {
+                "train.total_ips": 256 / ms * 1e3, "train.compute_time": ms / 1e3 - 1e-4}}))
+        (peer_dir / f"dle_amp_{k}.json").write_text("\n".join(lines) + "\n")
+    rows = tmp_path / "rows.csv"
+    rows.write_text("run_name,status,step_ms_mean,step_data_ms,global_batch_size,throughput_img_s\n"
+                    "lease/peer_ours_amp_fp16_1,ok,512,16,2048,4000\nlease/peer_ours_amp_fp16_2,ok,512,16,2048,4100\n"
+                    "lease/amp_bf16_gpu_channels-last,ok,60,2,256,4266\n")
+    proc = subprocess.run([sys.executable, os.path.join(GPU_DIR, "peer_summary.py"), str(peer_dir), str(rows)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    peer_ips = 256 / 65.0 * 1e3  # the median launch: 64 ms, plus 8 ms every 8th iteration
+    assert f"| {peer_ips:.0f} (" in proc.stdout
+    assert f"ours/peer: {4050 / peer_ips:.3f} (without our loader's time: {2048 / 496 * 1e3 / peer_ips:.3f})" \
+        in proc.stdout
