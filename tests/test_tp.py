@@ -87,19 +87,23 @@ def test_advise_says_why_a_tp_row_is_left_out(capsys):
     """A tp layout pytorch_TP.py cannot run is not a silent gap in advise's table: one line says why."""
     import argparse
 
-    from common.bench.advise import add_args, advise
+    from common.bench.advise import _tp_left_out, add_args, advise, check
 
     p = argparse.ArgumentParser()
     add_args(p)
     advise(p.parse_args(["--model", "vit_b_16", "--gpus", "4", "--tp", "3", "--precision", "bf16",
                          "--gpu-memory-gib", "80"]))
-    out = capsys.readouterr().out
-    assert "not predicted: tp_fsdp: --tp 3 does not divide --gpus 4" in out.splitlines()
-    assert any(line.startswith("tp (tp 4) ") for line in out.splitlines())
-    advise(p.parse_args(["--model", "vit_b_16", "--gpus", "8", "--precision", "bf16", "--gpu-memory-gib", "80"]))
-    assert "not predicted: tp: tp 8 does not divide the model's 12 attention heads" in capsys.readouterr().out
-    advise(p.parse_args(["--model", "resnet50", "--gpus", "4", "--gpu-memory-gib", "80"]))
-    assert "not predicted" not in capsys.readouterr().out  # no tp layout to expect for a ResNet
+    out = capsys.readouterr().out.splitlines()
+    assert "not predicted: tp_fsdp: --tp 3 does not divide --gpus 4" in out
+    assert any(line.startswith("tp (tp 4) ") for line in out)
+    opts = p.parse_args(["--model", "vit_b_16", "--gpus", "8", "--precision", "bf16", "--gpu-memory-gib", "80"])
+    check(opts)
+    assert _tp_left_out("tp", opts).startswith("tp 8 does not divide the model's 12 attention heads")
+    assert _tp_left_out("tp_fsdp", opts) is None
+    opts.precision = "fp16"
+    assert "bf16 autocast" in _tp_left_out("tp_fsdp", opts)
+    opts.model = "resnet50"  # no tp layout to expect for a ResNet: nothing to say
+    assert _tp_left_out("tp", opts) == _tp_left_out("tp_fsdp", opts) == ""
 
 
 TOLERANCE = 1e-4  # test_equivalence's (4 SGD steps at lr 0.05; here 2)
