@@ -25,7 +25,7 @@ import torch
 
 from common import DTYPES, EvalConfig, UsageError, build_model, configure_backends, opt, pick_device
 from common.data import build_test_loader
-from common.distributed import synchronize
+from common.distributed import require_single_process, synchronize
 from common.results import append_row, check_results_path
 from common.runner import device_name, git_commit, launch_tool
 
@@ -175,6 +175,7 @@ def ort_runner(session, device: torch.device):
 
 
 def main(cfg):
+    require_single_process(__file__, "one per GPU, each with its own CUDA_VISIBLE_DEVICES and --results")
     check_results_path(cfg.results, COLUMNS, HISTORY)  # before any checkpoint is read
     device = pick_device(cfg)
     configure_backends(cfg, device)

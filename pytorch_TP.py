@@ -16,7 +16,6 @@ the mesh's inner dimension (one node's fast links); the tp ranks of one dp group
 Only models with nn.MultiheadAttention blocks split (torchvision's ViTs): the config's ResNet50 is refused.
 Final weights are gathered to rank 0 and saved with torchvision's keys (q, k, v packed into in_proj).
 """
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -49,13 +48,13 @@ from common import (
 )
 from common.distributed import fsdp_no_sync
 from common.models import blocks
-from common.tensor_parallel import check_degree, heads, merge_attention, param_groups, plan, split_attention
+from common.tensor_parallel import check_degree, default_degree, merge_attention, param_groups, plan, split_attention
 
 
 @dataclass
 class TPConfig(DistributedConfig):
     tp: int = opt(0, "tensor-parallel degree: ranks that split every block; the world size over it is the "
-                  "FSDP data-parallel degree; 0 = the largest that divides both the processes and the heads", min=0)
+                  "FSDP data-parallel degree; 0 = the largest dividing both a node's processes and the heads", min=0)
 
     # one loss on tp ranks, DTensor and plain gradients mixed: a norm over them is not offered
     OMIT = ("compile", "clip_grad_norm", "grad_checkpointing")
@@ -67,7 +66,7 @@ def main(cfg):
     configure_backends(cfg, device)
     check_dtype_support(cfg.precision, device, cfg)
     model = split_attention(build_model(cfg)).to(device)  # same weights, q/k/v apart; every rank builds all of it
-    cfg.tp = cfg.tp or math.gcd(world_size, heads(model))  # 0: e.g. 4 on 8 GPUs for 12 heads, 1 on one
+    cfg.tp = cfg.tp or default_degree(world_size, model)  # 0: e.g. 4 on a node of 8 GPUs for 12 heads, 1 on one
     if world_size % cfg.tp:
         raise UsageError(f"--tp {cfg.tp} does not divide the {world_size} processes")
     check_degree(model, cfg.tp)

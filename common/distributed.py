@@ -168,10 +168,13 @@ def attempt_store(rank: int, world_size: int, timeout=dist.default_pg_timeout):
     return dist.PrefixStore(f"attempt{restarts()}", store)
 
 
-def require_single_process(script: str) -> None:
-    if launched_world_size() > 1:
-        raise UsageError(f"{os.path.basename(script)} trains on one device; start it with python, or use "
-                         f"pytorch_DDP.py for {launched_world_size()} processes")
+def require_single_process(script: str, instead: str = "") -> None:
+    """Refuses a launcher's several processes for a one-process script (they would all take cuda:0 and each
+    append a row); `instead`: what to run for them (default: pytorch_DDP.py)."""
+    n = launched_world_size()
+    if n > 1:
+        raise UsageError(f"{os.path.basename(script)} runs as one process on one device; start it with python, "
+                         f"or {instead or f'use pytorch_DDP.py for {n} processes'}")
 
 
 def cleanup(wait_for_all: bool = False) -> None:

@@ -22,6 +22,8 @@ activations, so their gradients agree without communication.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -127,6 +129,17 @@ def heads(model: nn.Module) -> int:
         if isinstance(att, nn.MultiheadAttention):
             return att.num_heads
     return 0
+
+
+def default_degree(world_size: int, model: nn.Module, environ=None) -> int:
+    """--tp 0: the largest degree that divides the heads and the processes of one node (the launcher's local
+    world), so that every tp group is consecutive ranks on one node (the mesh is (dp, tp), row-major; torchrun
+    numbers a node's ranks consecutively) and its 4 all-reduces per block ride the node's links, never the
+    network."""
+    from .launching import local_world_size
+
+    local = local_world_size(environ) or world_size
+    return math.gcd(math.gcd(world_size, local), heads(model))
 
 
 def check_degree(model: nn.Module, tp: int) -> None:

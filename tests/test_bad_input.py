@@ -88,3 +88,12 @@ def test_a_script_refuses_a_path_it_cannot_use_before_training(tmp_path, flags, 
                           capture_output=True, text=True, timeout=300)
     assert word in one_line_error(proc)
     assert not (tmp_path / "s.csv").exists()  # refused before a row was written
+
+
+def test_model_inference_refuses_a_launcher_s_several_processes(monkeypatch):
+    """Under torchrun --nproc-per-node 2 both processes would measure cuda:0 and each append a row."""
+    import model_inference
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UsageError, match="one per GPU, each with its own CUDA_VISIBLE_DEVICES"):
+        model_inference.main(None)  # refused before the config is read

@@ -35,7 +35,7 @@ class Event(SimpleNamespace):
     def extra_meta(self): return getattr(self, "meta", {})  # noqa: E704
     def device_type(self):  # noqa: E301
         import torch
-        return torch.autograd.DeviceType.CPU
+        return torch.autograd.DeviceType.CUDA if getattr(self, "cuda", False) else torch.autograd.DeviceType.CPU
 
 
 def ev(n, t, dur, th=1, s=(), d=()):
@@ -290,6 +290,29 @@ def test_a_sub_group_gather_counts_its_own_group():
     got = analyze(gather, n=8, steps=1)
     assert got["comm_bytes_per_step"] == 40 * 4 and got["busbw_gbps"] == pytest.approx(160 * 3 / 4 / 1000)
     assert analyze(gather[1:], n=8, steps=1)["comm_bytes_per_step"] == 80 * 4
+
+
+def test_a_sub_group_all_reduce_on_nccl_has_its_group_s_bus_factor():
+    """pytorch_TP.py at tp 2 x dp 4 on 8 GPUs: the tp all-reduces run on 2-rank groups. NCCL's
+    record_param_comms gives each call's group size; the bus factor is 2(g-1)/g of that group (1.0), not of
+    the world (1.75). A record that matches no nccl: event leaves the world size in place; gloo has none."""
+    def comms(name, nelems, group, t):
+        e = ev("record_param_comms", t, 5)
+        e.meta = {"Collective name": f'"{name}"', "In msg nelems": nelems, "Group size": group, "dtype": '"Float"'}
+        return e
+
+    def kernel(t):  # the NCCL kernel on the device: the collective's time
+        return Event(n="ncclDevKernel_Generic", t=t, dur=1000, th=9, s=[], d=[], cuda=True)
+
+    tp = [comms("allreduce", 1000, 2, 0), ev("nccl:all_reduce", 10, 5, s=[[1000]], d=["float"]), kernel(20),
+          comms("_reduce_scatter_base", 800, 4, 2000), ev("nccl:_reduce_scatter_base", 2010, 5, s=[[800]],
+                                                           d=["float"]), kernel(2020)]
+    got = analyze(tp, n=8, steps=1)
+    assert got["comm_bytes_per_step"] == 4000 + 3200  # the reduce-scatter's S is its input
+    assert got["busbw_gbps"] == pytest.approx((4000 * 1.0 + 3200 * 3 / 4) / 2000)
+    world = [ev("nccl:all_reduce", 10, 5, s=[[1000]], d=["float"]), kernel(20), comms("allreduce", 999, 2, 0)]
+    assert analyze(world, n=8, steps=1)["busbw_gbps"] == pytest.approx(4000 * 1.75 / 1000)
+    assert analyze(tp[1:3], n=8, steps=1)["busbw_gbps"] == pytest.approx(4000 * 1.75 / 1000)
 
 
 def test_nccl_point_to_point_in_a_coalesced_batch_is_counted_from_its_param_comms():

@@ -187,4 +187,31 @@ def test_loader_rate_over_ranks(monkeypatch, per_rank, op, want):
     monkeypatch.setattr("common.checkpoint.rng_state", lambda loader: None)
     monkeypatch.setattr("common.checkpoint.set_rng_state", lambda state, loader: None)
     rate = loader_mod.probe_loader(batches, cfg, hooks)
-    assert calls == ["gc", "barrier", op] and rate == pytest.approx(want)
+    assert calls == ["max", "gc", "barrier", op] and rate == pytest.approx(want)  # "max": the batches agreed
+
+
+def test_ranks_agree_to_skip_the_loader_probe(monkeypatch):
+    """A rank whose loader is too short to probe (its workers sized from its node's cores) still takes part
+    in the agreement, and a rank that could probe skips it with the others: no rank waits alone in a
+    collective the others never enter."""
+    from types import SimpleNamespace
+
+    import common.measure.loader as loader_mod
+
+    calls = []
+
+    def other_rank_has(n):
+        def fake_reduce(values, device, how):
+            calls.append((how, values))
+            return {"b": max(values["b"], -float(n))}
+        return fake_reduce
+
+    monkeypatch.setattr(loader_mod, "world_size", lambda: 2)
+    monkeypatch.setattr(loader_mod, "barrier", lambda: calls.append("barrier"))
+    cfg, hooks = SimpleNamespace(loader_probe_batches=4, batch_size=16), SimpleNamespace(device=torch.device("cpu"))
+    short = [(torch.zeros(8, 3, 2, 2), torch.zeros(8))]  # one batch: nothing to time after the first
+    monkeypatch.setattr(loader_mod, "reduce_metrics", other_rank_has(4))
+    assert loader_mod.probe_loader(short, cfg, hooks) is None and calls == [("max", {"b": 0.0})]
+    calls.clear()
+    monkeypatch.setattr(loader_mod, "reduce_metrics", other_rank_has(0))
+    assert loader_mod.probe_loader(short * 8, cfg, hooks) is None and calls == [("max", {"b": -4.0})]

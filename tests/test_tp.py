@@ -64,6 +64,20 @@ def test_degrees_and_families_refused():
         split_attention(torchvision.models.resnet18())
 
 
+def test_the_default_degree_keeps_every_tp_group_on_one_node():
+    """--tp 0 takes the largest degree dividing the heads and a node's processes (LOCAL_WORLD_SIZE): tp's
+    per-block all-reduces never cross the network, whatever the world size."""
+    from common.models import meta_model
+    from common.tensor_parallel import default_degree
+
+    b16, l16 = meta_model("vit_b_16", image_size=224), meta_model("vit_l_16", image_size=224)  # 12 and 16 heads
+    assert default_degree(8, b16, {"LOCAL_WORLD_SIZE": "8"}) == 4
+    assert default_degree(16, l16, {"LOCAL_WORLD_SIZE": "8"}) == 8  # two nodes of 8: not 16
+    assert default_degree(4, b16, {"LOCAL_SIZE": "2"}) == 2  # the deepspeed launcher's name for it
+    assert default_degree(2, b16, {"LOCAL_WORLD_SIZE": "1"}) == 1  # one GPU a node: FSDP across, no tp
+    assert default_degree(4, b16, {}) == 4  # no launcher says: one node
+
+
 def test_advise_rows_for_a_vit():
     """advise on a ViT: tp over every GPU (when it divides the heads) and tp x FSDP on the 2-D mesh; the
     tp rank holds half of every split layer, so its model state is below DDP's and above full sharding's."""

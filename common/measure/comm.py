@@ -23,7 +23,8 @@ Columns, per optimizer step and per rank, mean over ranks:
                        thread), on GPU the NCCL kernels' (the CPU-side nccl event only enqueues).
                        It includes waiting for the slowest rank to arrive, as nccl-tests' timing does.
   busbw_gbps           sum(S x bus factor) / comm time, GB/s (1e9): factors 2(n-1)/n all-reduce,
-                       (n-1)/n all-gather, reduce-scatter and all-to-all, 1 broadcast and reduce.
+                       (n-1)/n all-gather, reduce-scatter and all-to-all, 1 broadcast and reduce; n the
+                       call's group where recorded (_gather_groups, _param_groups), else the world.
   comm_overlap_pct     share of comm_ms during which compute ran at the same time: on GPU non-NCCL
                        kernels on any stream, on CPU aten ops on the training threads (not the gloo
                        workers, not waits, not the copies inside a collective's dispatcher op). On CPU
@@ -154,6 +155,24 @@ def _gather_groups(events) -> dict[tuple, list[int]]:
     return groups
 
 
+def _param_groups(events) -> dict[tuple, list[int]]:
+    """Group size of each NCCL collective, keyed by (kind, input elements), in call order: ProcessGroupNCCL
+    records every collective as record_param_comms with its "Group size" (the process group's, RECORD_PARAM_COMMS_DATA's
+    worldSize; torch/testing/_internal/distributed/distributed_test.py _sanity_check_profiler_nccl_meta reads
+    it), and its nccl:<op> event carries no group. A sub-group's all-reduce (pytorch_TP.py's tp group under
+    dp > 1, --sharding hybrid's replicate group) has the bus factor of its group, not of the world. Gloo
+    records none: there the world size stands."""
+    groups: dict[tuple, list[int]] = {}
+    for e in sorted((e for e in events if e.name() == "record_param_comms"), key=lambda e: e.start_ns()):
+        meta = _meta(e)
+        name, size = str(meta.get("Collective name", "")).replace("_", "").lower(), meta.get("Group size")
+        kind = next((k for k, key in (("all_reduce", "allreduce"), ("reduce_scatter", "reducescatter"),
+                                      ("all_gather", "allgather"), ("broadcast", "broadcast")) if key in name), None)
+        if kind and size:
+            groups.setdefault((kind, int(meta.get("In msg nelems") or 0)), []).append(int(size))
+    return groups
+
+
 def _meta(e) -> dict:
     """A kineto event's metadata (record_param_comms: Collective name, dtype, In msg nelems, ...), its
     string values unquoted: kineto keeps them as '"send"' (torch/autograd/profiler_util.py _to_str)."""
@@ -201,10 +220,13 @@ def _device_event(seen: _Seen, e, name: str, span) -> None:
         (seen.gpu_comm if "nccl" in name.lower() else seen.gpu_compute).append(span)
 
 
-def _collective(seen: _Seen, e, span, op: str, backend: str, n: int, gathers) -> None:
+def _collective(seen: _Seen, e, span, op: str, backend: str, n: int, gathers, params) -> None:
     kind, group = KINDS[op], n
-    if kind == "all_gather" and e.shapes() and gathers.get(tuple(e.shapes()[0] or ())):
-        group = gathers[tuple(e.shapes()[0])].pop(0)
+    first = tuple(e.shapes()[0] or ()) if e.shapes() else ()
+    if kind == "all_gather" and gathers.get(first):
+        group = gathers[first].pop(0)
+    elif params.get((kind, math.prod(first))) and first:
+        group = params[(kind, math.prod(first))].pop(0)
     size = message_bytes(kind, e.shapes(), e.dtypes(), group)
     seen.count(size, size * bus_factor(kind, group))
     if backend == "gloo":
@@ -222,7 +244,7 @@ def _gather(events, n: int) -> _Seen:
     """One pass over the events: collectives counted, spans of communication and compute by thread and device.
     The harness waits for its collectives inside its range (on CUDA it synchronizes there): a collective, or
     an NCCL kernel, that starts inside one is the harness's."""
-    seen, gathers, p2p = _Seen(), _gather_groups(events), _p2p(events)
+    seen, gathers, p2p, params = _Seen(), _gather_groups(events), _p2p(events), _param_groups(events)
     harness = _union([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == HARNESS])
     starts, p2p_ids = [a for a, _ in harness], {id(e) for e in p2p}
     for e in sorted(events, key=lambda e: e.start_ns()):
@@ -241,7 +263,7 @@ def _gather(events, n: int) -> _Seen:
             size = int(meta.get("In msg nelems") or 0) * PARAM_COMMS_BYTES.get(str(meta.get("dtype")), 0)
             seen.count(size, size)
         elif backend in ("gloo", "nccl") and op in KINDS:
-            _collective(seen, e, span, op, backend, n, gathers)
+            _collective(seen, e, span, op, backend, n, gathers, params)
         elif name.startswith("aten::") and "wait" not in name:
             seen.cpu_ops.append((e.start_thread_id(), span))
         elif backend == "c10d" and "barrier" not in op and "wait" not in op:

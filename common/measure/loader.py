@@ -34,6 +34,9 @@ def probe_loader(loader, cfg, hooks) -> float | None:
     batches = min(batches, len(loader) - 1 - first)
     if workers > 1:  # a short loader's cap keeps whole rounds too (8 batches of 2 workers: 4, not 5)
         batches -= batches % workers
+    if world_size() > 1:  # the fewest any rank can draw: workers are sized from each node's own cores, and a
+        # rank that skipped the collectives below while the others entered them would hang them
+        batches = int(-reduce_metrics({"b": -float(batches)}, hooks.device, "max")["b"])
     if batches < 1:
         return None
     from ..checkpoint import rng_state, set_rng_state
