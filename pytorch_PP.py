@@ -42,7 +42,7 @@ from common import (
 )
 from common.data import build_test_loader
 from common.measure.bubble import Bubble, Lane
-from common.pipeline import gather_state_dict, plan, split
+from common.pipeline import evaluate_whole, gather_state_dict, plan, split
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
@@ -107,8 +107,7 @@ def main(cfg):
         return (out, torch.stack(losses).mean()) if last else (None, None)
 
     def evaluate_gathered(_, loader, **kwargs):  # the whole model on every rank, each its test shard
-        model.load_state_dict(gather_state_dict(list(local)))
-        return evaluate(model.to(device), loader, **kwargs)
+        return evaluate_whole(model, list(local), device, evaluate, loader, **kwargs)
 
     hooks = TrainHooks(scaled.backward, scaled.step, device, optimizer=optimizer, forward_backward=forward_backward,
                        evaluate=evaluate_gathered, instruments=[Bubble([lane], device)])

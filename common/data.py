@@ -90,19 +90,34 @@ def load_arrays(cfg, train: bool) -> tuple[np.ndarray, np.ndarray]:
     limit = cfg.train_samples if train else cfg.test_samples
     if cfg.dataset == "synthetic":
         return make_synthetic(limit or CIFAR_SIZES[train], cfg.seed, train)
-    from .distributed import local_rank as node_index
-
-    local_rank = node_index()  # the launcher's index on this node (LOCAL_RANK can be the device's: distributed.py)
-    if dist.is_initialized() and local_rank != 0:
-        dist.barrier()  # local rank 0 downloads first
-    try:
-        images, labels = load_cifar10(cfg.data_dir, train)
-    finally:
-        if dist.is_initialized() and local_rank == 0:
-            dist.barrier()
+    images, labels = _load_node_by_node(cfg.data_dir, train) if dist.is_initialized() else \
+        load_cifar10(cfg.data_dir, train)
     if limit:
         images, labels = images[:limit], labels[:limit]
     return images, labels
+
+
+def _load_node_by_node(data_dir: str, train: bool) -> tuple[np.ndarray, np.ndarray]:
+    """CIFAR10 in a process group: each node's local rank 0 in turn (it downloads what is missing), then the
+    other ranks. A --data-dir the nodes share is then complete before the next node looks: torchvision writes
+    the archive straight to its final name and extracts it in place (datasets/utils.py download_url,
+    cifar.py), so two nodes downloading into one folder at once corrupt it. A failure is raised after the
+    turns, so that no rank waits alone at a barrier."""
+    from .distributed import local_rank as node_index
+
+    local_rank, rank, world = node_index(), dist.get_rank(), dist.get_world_size()
+    per_node = local_world_size() or world  # torchrun numbers a node's ranks consecutively
+    out, error = None, None
+    for turn in range(-(-world // per_node)):
+        if local_rank == 0 and rank // per_node == turn:
+            try:
+                out = load_cifar10(data_dir, train)
+            except Exception as e:  # noqa: BLE001  (re-raised below, once every node has had its turn)
+                error = e
+        dist.barrier()
+    if error is not None:
+        raise error
+    return out if out is not None else load_cifar10(data_dir, train)
 
 
 def transforms(image_size: int, train: bool) -> v2.Compose:

@@ -154,3 +154,20 @@ def gather_state_dict(pieces: list[nn.Module], group=None) -> dict:
     for piece in pieces:
         local.update({k: v.detach().cpu() for k, v in piece.state_dict().items()})
     return {k: v for part in all_gather_object(local, group) for k, v in part.items()}
+
+
+def evaluate_whole(model: nn.Module, pieces: list[nn.Module], device: torch.device, evaluate, loader, /, **kwargs):
+    """A pipeline's evaluation: every rank's pieces gathered into a copy of the whole model on this rank's
+    device, each rank its test shard. A copy, dropped afterwards with the allocator's cache: the pieces share
+    the model's modules (split), so moving the model itself there would leave every other stage's weights
+    resident and in the next epoch's peak memory. kwargs: evaluate's own (its device among them)."""
+    import copy
+
+    whole = copy.deepcopy(model).to(device)
+    whole.load_state_dict(gather_state_dict(pieces))
+    try:
+        return evaluate(whole, loader, **kwargs)
+    finally:
+        del whole
+        if device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -215,3 +215,46 @@ def test_ranks_agree_to_skip_the_loader_probe(monkeypatch):
     calls.clear()
     monkeypatch.setattr(loader_mod, "reduce_metrics", other_rank_has(0))
     assert loader_mod.probe_loader(short * 8, cfg, hooks) is None and calls == [("max", {"b": -4.0})]
+
+
+@pytest.mark.parametrize("rank, local, want", [
+    (0, 0, ["load", "barrier", "barrier"]),  # node 0's first rank: its turn comes first
+    (8, 0, ["barrier", "load", "barrier"]),  # node 1's: after node 0's has the files
+    (9, 1, ["barrier", "barrier", "load"]),  # every other rank: once every node's first rank is done
+])
+def test_cifar10_is_fetched_one_node_at_a_time(monkeypatch, rank, local, want):
+    """Two nodes of 8 sharing --data-dir: their first ranks must not download into it at the same time."""
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(data, "load_cifar10", lambda d, train: calls.append("load") or (np.zeros(1), np.zeros(1)))
+    monkeypatch.setattr(data, "dist", SimpleNamespace(is_initialized=lambda: True, get_rank=lambda: rank,
+                                                      get_world_size=lambda: 16,
+                                                      barrier=lambda: calls.append("barrier")))
+    monkeypatch.delenv("BENCH_NODE_LOCAL_RANK", raising=False)  # distributed.py's copy of the launcher's index
+    monkeypatch.setenv("LOCAL_RANK", str(local))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = SimpleNamespace(dataset="cifar10", data_dir="data", train_samples=0, test_samples=0)
+    data.load_arrays(cfg, train=True)
+    assert calls == want
+
+
+def test_a_failed_download_is_raised_after_every_node_s_turn(monkeypatch):
+    from types import SimpleNamespace
+
+    calls = []
+
+    def fail(d, train):
+        calls.append("load")
+        raise UsageError("CIFAR10 download failed")
+
+    monkeypatch.setattr(data, "load_cifar10", fail)
+    monkeypatch.setattr(data, "dist", SimpleNamespace(is_initialized=lambda: True, get_rank=lambda: 0,
+                                                      get_world_size=lambda: 4,
+                                                      barrier=lambda: calls.append("barrier")))
+    monkeypatch.delenv("BENCH_NODE_LOCAL_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(UsageError, match="download failed"):
+        data.load_arrays(SimpleNamespace(dataset="cifar10", data_dir="d", train_samples=0, test_samples=0), True)
+    assert calls == ["load", "barrier", "barrier"]

@@ -32,6 +32,26 @@ def test_pieces_are_the_model():
     assert keys == list(model.state_dict())  # torchvision's keys, each once, in order
 
 
+@pytest.mark.filterwarnings("ignore:for .*copying from a non-meta parameter")
+def test_evaluation_leaves_the_stage_s_model_where_it_was():
+    """Evaluation gathers the whole model onto a rank's device as a copy: the model, whose modules this rank's
+    stage shares, stays on the host (moved, every other stage's weights stayed resident on the GPU and in the
+    next epoch's peak memory), and its pieces keep their training mode."""
+    from common.pipeline import evaluate_whole
+
+    model = resnet18()
+    pieces = split(model, [2, 2])
+    seen = {}
+
+    def evaluate(whole, loader, **kwargs):
+        seen["device"], seen["mode"] = next(whole.parameters()).device.type, whole.training
+        return {"acc": 1.0}
+
+    assert evaluate_whole(model, pieces, torch.device("meta"), evaluate, None) == {"acc": 1.0}
+    assert seen["device"] == "meta"  # the copy went to the device
+    assert {p.device.type for p in model.parameters()} == {"cpu"} and model.training and pieces[0].training
+
+
 @pytest.mark.parametrize("pieces, text, words", [
     (5, "", "has only 4 ResNet stages"), (2, "3,3", "summing to 4"), (2, "2,x", "as integers"),
 ])
