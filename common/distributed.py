@@ -328,10 +328,13 @@ def reduce_metrics(values: dict, device: torch.device, op: str = "max") -> dict:
     return {k: (v if n > 0 else None) for k, v, n in zip(values, reduced.tolist(), present.tolist())}
 
 
-def synchronize(device: torch.device) -> None:
-    """Waits for the device's queued work (a no-op on CPU, where work is synchronous)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def synchronize(device: torch.device | list[torch.device]) -> None:
+    """Waits for the device's queued work (a no-op on CPU, where work is synchronous); a list: every device
+    one process drives (model parallelism: the second half's optimizer step can still run on its GPU when
+    the first's is done)."""
+    for d in device if isinstance(device, list) else [device]:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
 
 
 def barrier() -> None:

@@ -128,8 +128,8 @@ class TimedWindow:
     set-up left is collected before the window opens. `prelude()` arms
     an instrument before the last warm-up step (the model-state walk runs in that step)."""
 
-    def __init__(self, opens_at: int, device: torch.device, instruments: list[Instrument], time_s: float = 0.0,
-                 steps: int = 0, total_steps: int | None = None):
+    def __init__(self, opens_at: int, device: torch.device | list[torch.device], instruments: list[Instrument],
+                 time_s: float = 0.0, steps: int = 0, total_steps: int | None = None):
         self.opens_at, self.device, self.total_steps = opens_at, device, total_steps
         self.instruments = [i for i in instruments if not i.outside_window]
         self.parts = next((i for i in instruments if isinstance(i, StepParts)), None)
@@ -399,7 +399,8 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: Tr
     if cfg.compile:
         net, m.compile_time_s = compile_model(model, train_loader, hooks, cfg.channels_last)
     opens_at = cfg.timing_warmup_steps if cfg.timing_warmup_steps < spe * cfg.epochs else 0
-    window = TimedWindow(opens_at, device, build_instruments(cfg, model, hooks, m),
+    every = hooks.probe_devices or [device]  # what the window and the epoch's clock wait for
+    window = TimedWindow(opens_at, every, build_instruments(cfg, model, hooks, m),
                          *(saved["window_time"], saved["window_steps"]) if saved else (), total_steps=spe * cfg.epochs)
     if hooks.step_inside_backward is not None:
         _time_as_optimizer(hooks.step_inside_backward, window)
@@ -407,11 +408,11 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: Tr
     for epoch in range(saved["epoch"] if saved else 0, cfg.epochs):
         set_epoch(train_loader, epoch)
         train_mode(model, cfg.freeze_bn)
-        synchronize(device)
+        synchronize(every)
         epoch_start = time.perf_counter()
         window.epoch_start(m.steps)
         stats, streak = train_epoch(cfg, net, train_loader, hooks, window, m, streak, epoch, spe)
-        synchronize(device)
+        synchronize(every)
         m.train_time_s += time.perf_counter() - epoch_start
         window.epoch_end()
         _check_finite(streak, cfg)

@@ -124,7 +124,7 @@ class SpyCheckpointer:
         self.saves.append((epoch, self.recorder.paused, meta["window_steps"]))
 
 
-def fit_two_epochs(monkeypatch, rec, evaluations):
+def fit_two_epochs(monkeypatch, rec, evaluations, probe_devices=None):
     """fit() over 2 epochs of 4 steps, 3 warm-up steps, with `rec` as the only instrument (None: as patched)."""
     if rec is not None:
         monkeypatch.setattr("common.train.build_instruments", lambda cfg, model, hooks, m, *_: [rec])
@@ -138,7 +138,7 @@ def fit_two_epochs(monkeypatch, rec, evaluations):
         opt.zero_grad()
 
     hooks = TrainHooks(lambda loss: loss.backward(), step, torch.device("cpu"), ctx=nullcontext(),
-                       evaluate=lambda *a, **k: evaluations.append(1) or (0.5, 10))
+                       evaluate=lambda *a, **k: evaluations.append(1) or (0.5, 10), probe_devices=probe_devices)
     ckpt = SpyCheckpointer(rec or Recorder())
     return fit(cfg, model, batches, None, hooks, ckpt), ckpt
 
@@ -151,6 +151,23 @@ def test_fit_times_after_the_warm_up_and_saves_outside_the_window(monkeypatch):
     assert rec.events.count("start") == 1 and rec.events.count("step") == 5 and rec.events[-1] == "stop"
     assert m.throughput_img_s > 0 and m.extra["recorded"] == len(rec.events)
     assert len(evaluations) == 1 and m.test_accuracy == 0.5  # evaluated once, after training
+
+
+def test_the_clock_waits_for_every_device_the_process_drives(monkeypatch):
+    """Model parallelism: the second half's optimizer step can still run on cuda:1 when cuda:0 is done. The
+    epoch's clock and the window wait for both, not for the first alone."""
+    import common.distributed as distributed
+
+    waited = []
+    monkeypatch.setattr("common.train.synchronize", lambda d: waited.append(d))
+    two = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    fit_two_epochs(monkeypatch, Recorder(), [], probe_devices=two)
+    assert waited and all(d == two for d in waited)
+    synced = []
+    monkeypatch.setattr(distributed.torch.cuda, "synchronize", lambda d: synced.append(d))
+    distributed.synchronize(two)
+    distributed.synchronize(torch.device("cpu"))
+    assert synced == two
 
 
 class Profiler(Recorder):

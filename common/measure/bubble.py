@@ -52,7 +52,7 @@ class Lane:
     def settle(self) -> None:
         """Adds the recorded CUDA intervals."""
         for _, b in self.pending:
-            b.synchronize()  # model parallelism: the window synchronized only the first device
+            b.synchronize()  # on its own device: a lane need not rely on what the window synchronized
         self.busy_s += sum(a.elapsed_time(b) for a, b in self.pending) / 1000
         self.pending.clear()
 
