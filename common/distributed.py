@@ -43,7 +43,7 @@ def pick_device(cfg, local_rank: int = 0) -> torch.device:
     if node is not None and node > visible:
         raise UsageError(f"{node} processes on this node (the launcher's LOCAL_WORLD_SIZE) but {visible} GPU"
                          f"{'s are' if visible > 1 else ' is'} visible: start at most {visible} per node "
-                         f"(torchrun --nproc-per-node, GPUS_PER_NODE), one per GPU")
+                         f"(torchrun --nproc-per-node, accelerate launch --num_processes, GPUS_PER_NODE), one per GPU")
     if local_rank < visible:
         return torch.device("cuda", local_rank)
     if visible == 1:

@@ -132,7 +132,7 @@ def gpu_command(s: Script, gpus: int = 4) -> str:
     return {"python": f"python {s.file}",
             "torchrun": f"torchrun --nproc_per_node {gpus} {s.file}",
             "deepspeed": f"deepspeed --num_gpus {gpus} {s.file}",
-            "accelerate": f"accelerate launch --config_file {s.accelerate_config} {s.file}",
+            "accelerate": f"accelerate launch --config_file {s.accelerate_config} --num_processes {gpus} {s.file}",
             }[s.launcher] + _model_flag(s)
 
 
