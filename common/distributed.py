@@ -120,7 +120,7 @@ def init_distributed(cfg: TrainConfig, standalone_group: bool = False) -> DistIn
     device = device_for_rank(cfg)
     backend = backend_for(cfg, device)
     if "gloo" in backend:
-        gloo_on_loopback_when_one_node() or gloo_on_the_route_to_the_master()
+        gloo_on_loopback_when_one_node()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -149,35 +149,6 @@ def gloo_on_loopback_when_one_node(environ=os.environ) -> bool:
     if loopback:
         environ["GLOO_SOCKET_IFNAME"] = loopback[0]
     return bool(loopback)
-
-
-def gloo_on_the_route_to_the_master(environ=os.environ) -> str | None:
-    """Several nodes, no GLOO_SOCKET_IFNAME, and a host name that resolves to loopback (stock Debian and
-    Ubuntu map it to 127.0.1.1 in /etc/hosts): gloo would listen on that address, since any address it can
-    bind passes (torch's GlooDeviceFactory.cpp, doesHostnameResolveToUsableAddress), publish it to the
-    store, and every other node would dial it until the group's timeout (FSDP's --cpu-offload adds a gloo
-    backend to NCCL's). The interface this node reaches MASTER_ADDR through is named instead; what it set,
-    or None."""
-    import socket
-
-    import psutil
-
-    local, master = local_world_size(environ), environ.get("MASTER_ADDR", "")
-    if "GLOO_SOCKET_IFNAME" in environ or local is None or str(local) == environ.get("WORLD_SIZE") or not master:
-        return None
-    try:
-        if not socket.gethostbyname(socket.gethostname()).startswith("127."):
-            return None  # gloo's own choice reaches the peers as before
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((master, int(environ.get("MASTER_PORT", "29500"))))  # a route lookup: nothing is sent
-            mine = probe.getsockname()[0]
-    except OSError:
-        return None
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == mine for a in addrs) and not mine.startswith("127."):
-            environ["GLOO_SOCKET_IFNAME"] = name
-            return name
-    return None
 
 
 def attempt_store(rank: int, world_size: int, timeout=dist.default_pg_timeout):

@@ -85,35 +85,6 @@ def test_gloo_talks_over_loopback_only_on_one_node():
         assert not gloo_on_loopback_when_one_node(env) and env == before
 
 
-def test_gloo_on_several_nodes_listens_where_the_master_is_reached():
-    """Several nodes and a host name that resolves to loopback (Debian's 127.0.1.1): gloo is pointed at the
-    interface this node reaches MASTER_ADDR through, the one the other nodes reach it on. A host name that
-    resolves elsewhere, one node, or an interface the user named: untouched."""
-    import socket
-
-    import psutil
-
-    from common.distributed import gloo_on_the_route_to_the_master
-
-    here = [(name, a.address) for name, addrs in psutil.net_if_addrs().items() for a in addrs
-            if a.family == socket.AF_INET and not a.address.startswith("127.")]
-    if not here:
-        pytest.skip("this machine has no IPv4 address but loopback")
-    name, addr = here[0]
-    base = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": addr, "MASTER_PORT": "29500"}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(socket, "gethostbyname", lambda host: "127.0.1.1")
-        env = dict(base)
-        assert gloo_on_the_route_to_the_master(env) == name and env["GLOO_SOCKET_IFNAME"] == name
-        for other in ({**base, "GLOO_SOCKET_IFNAME": "ib0"}, {**base, "LOCAL_WORLD_SIZE": "4"},
-                      {**base, "MASTER_ADDR": ""}):
-            before = dict(other)
-            assert gloo_on_the_route_to_the_master(other) is None and other == before
-        mp.setattr(socket, "gethostbyname", lambda host: addr)
-        env = dict(base)
-        assert gloo_on_the_route_to_the_master(env) is None and env == base
-
-
 def test_reduce_metrics_without_a_group():
     cpu = torch.device("cpu")
     assert reduce_metrics({"x": 2.5, "y": None}, cpu, "max") == {"x": 2.5, "y": None}

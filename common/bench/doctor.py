@@ -136,8 +136,7 @@ def _gloo_address() -> str:
     except OSError as exc:
         return f"hostname {host} does not resolve ({exc.strerror}): gloo falls back to loopback, one node only"
     return (f"hostname {host} -> {', '.join(addrs)} (one-node runs use loopback; across nodes this address "
-            f"must reach the others (a loopback one is replaced by the interface to MASTER_ADDR), else set "
-            f"GLOO_SOCKET_IFNAME)")
+            f"must reach the others, else set GLOO_SOCKET_IFNAME)")
 
 
 def check_rows(rows: list[dict], runs: list[dict], gpus: int, save_dir: str) -> list[tuple[str, bool, str]]:
