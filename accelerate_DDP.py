@@ -1,7 +1,7 @@
 """accelerate, multi-GPU data parallel (DDP underneath): the strategy lives in config/default_DDP.yml.
 
     accelerate launch --config_file config/default_DDP.yml --num_processes 4 accelerate_DDP.py
-    accelerate launch --config_file config/default_DDP.yml --num_machines 2 --machine_rank 0 \\
+    accelerate launch --config_file config/default_DDP.yml --num_machines 2 --num_processes 8 --machine_rank 0 \\
         --main_process_ip HOST0 --main_process_port 29500 accelerate_DDP.py      # the same on each node
     torchrun --nproc_per_node 2 accelerate_DDP.py --device cpu --dataset synthetic --no-pretrained   # CPU
 

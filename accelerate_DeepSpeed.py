@@ -1,7 +1,7 @@
 """accelerate + DeepSpeed ZeRO: the stage lives in config/default_DeepSpeed.yml and the JSON it names.
 
     accelerate launch --config_file config/default_DeepSpeed.yml --num_processes 4 accelerate_DeepSpeed.py
-    accelerate launch --config_file config/default_DeepSpeed.yml --num_machines 2 --machine_rank 0 \\
+    accelerate launch --config_file config/default_DeepSpeed.yml --num_machines 2 --num_processes 8 --machine_rank 0 \\
         --main_process_ip HOST0 --main_process_port 29500 accelerate_DeepSpeed.py   # the same on each node
     torchrun --nproc_per_node 2 accelerate_DeepSpeed.py --device cpu --dataset synthetic --no-pretrained
 

@@ -1,8 +1,8 @@
 """accelerate + FSDP2: the sharding strategy lives in config/default_FSDP.yml.
 
     accelerate launch --config_file config/default_FSDP.yml --num_processes 4 accelerate_FSDP.py
-    accelerate launch --config_file config/default_FSDP.yml --mixed_precision bf16 accelerate_FSDP.py
-    accelerate launch --config_file config/default_FSDP.yml --num_machines 2 --machine_rank 0 \\
+    accelerate launch --config_file config/default_FSDP.yml --num_processes 4 --mixed_precision bf16 accelerate_FSDP.py
+    accelerate launch --config_file config/default_FSDP.yml --num_machines 2 --num_processes 8 --machine_rank 0 \\
         --main_process_ip HOST0 --main_process_port 29500 accelerate_FSDP.py      # the same on each node
     torchrun --nproc_per_node 2 accelerate_FSDP.py            # GPUs, plugin built from the defaults below
 

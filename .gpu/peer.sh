@@ -22,20 +22,23 @@ STUBS="$ROOT/.gpu/peer_stubs:$PEER/dllogger"
 # the trainer's dataloaders subclass DALI's Pipeline at import: if the stand-in does not import here, say so once
 PYTHONPATH="$STUBS" python -c "import nvidia.dali.pipeline, dllogger" > "$LOGS/stand_in.log" 2>&1 \
   || echo "peer: the DALI stand-in or dllogger does not import (peer/stand_in.log)"
-fits() { local l=$(( DEADLINE_AT - $(date +%s) )); [ "$l" -ge 45 ] || { echo "peer $1 skipped: $l s left"; return 1; }; }
+left() { echo $(( DEADLINE_AT - $(date +%s) )); }
+fits() { local l; l=$(left); [ "$l" -ge 45 ] || { echo "peer $1 skipped: $l s left"; return 1; }; }
+cap() { local l; l=$(( $(left) - 5 )); echo $(( l < 240 ? l : 240 )); }  # a launch ends by the deadline
+packed() { type pack > /dev/null 2>&1 && pack; }  # .gpu/run.sh's: what finished is in $OUT at once
 for i in 1 2 3; do
   if fits "dle_amp_$i"; then
-    ( cd "$PEER/ConvNets" && PYTHONPATH="$STUBS" timeout -k 10 240 python launch.py \
+    ( cd "$PEER/ConvNets" && PYTHONPATH="$STUBS" timeout -k 5 "$(cap)" python launch.py \
         --model resnet50 --precision AMP --mode benchmark_training_short --platform DGXA100 --gpu-affinity none \
         --workers 8 --raport-file "$LOGS/dle_amp_$i.json" /nonexistent ) > "$LOGS/dle_amp_$i.log" 2>&1
-    echo "peer dle_amp_$i exit $?"
+    echo "peer dle_amp_$i exit $?"; packed
   fi
   if fits "ours_amp_$i"; then
-    timeout -k 10 240 python pytorch_auto_mixed_precision.py --dataset synthetic --no-pretrained --model resnet50 \
+    timeout -k 5 "$(cap)" python pytorch_auto_mixed_precision.py --dataset synthetic --no-pretrained --model resnet50 \
       --image-size 224 --epochs 1 --batch-size 2048 --grad-accum 8 --precision fp16 --channels-last --loader gpu \
       --max-steps 14 --timing-warmup-steps 3 --train-samples 32768 --test-samples 512 --warmup-steps 0 \
       --log-every 2 --results "$ROWS" --save-dir /tmp/ckpt --run-name "lease/peer_ours_amp_fp16_$i" \
       > "$LOGS/ours_amp_$i.log" 2>&1
-    echo "peer ours_amp_$i exit $?"
+    echo "peer ours_amp_$i exit $?"; packed
   fi
 done

@@ -1,8 +1,9 @@
 """The peer beside ours, from a lease's files (.gpu/peer.sh): python .gpu/peer_summary.py PEER_LOG_DIR ROWS_CSV
 
 The peer (NVIDIA's ResNet50 v1.5 trainer, benchmark_training_short) logs every iteration's rate: train.total_ips
-is 256 images over the iteration's wall time, from the loader's hand-over to after its synchronize and
-loss.item() (image_classification/training.py, train()). An optimizer step comes every 8th iteration, so its
+is 256 images over the iteration's wall time, from the end of the previous one (the batch's fetch included) to
+the end of its train_step, whose torch.cuda.synchronize() closes it (image_classification/training.py,
+train()). An optimizer step comes every 8th iteration, so its
 figure here is the mean iteration over whole cycles after a warm-up of 2 (iterations 17-96 of 100), not its
 run summary, which averages the rates of all its iterations, the first ones included. Ours is the timed
 window of each launch (step = 8 micro-batches of 256): throughput_img_s, and the same without the GPU loader's

@@ -23,7 +23,9 @@ PART=${1:-}
 case "$PART" in 1|2) ;; *) echo "usage: bash .gpu/run.sh 1|2 (one call each)"; exit 2;; esac
 DEADLINE_S=${DEADLINE_S:-560}
 export DEADLINE_AT=$(( $(date +%s) + DEADLINE_S ))
-OUT=${OUT:-/tmp/gpu_out}; WORK=${WORK:-/tmp/lease}; mkdir -p "$OUT" "$WORK/logs"
+OUT=${OUT:-/tmp/gpu_out}; WORK=${WORK:-/tmp/lease}
+[ "$PART" = 1 ] && rm -rf "$WORK"  # a warm machine's earlier call: its rows and logs are not this one's
+mkdir -p "$OUT" "$WORK/logs"
 ROWS=$WORK/rows.csv
 export OUT WORK ROWS
 left() { echo $(( DEADLINE_AT - $(date +%s) )); }
@@ -34,10 +36,11 @@ fi
 { nvidia-smi; python -c "import torch, torchvision; print(torch.__version__, torch.version.cuda, torchvision.__version__)"
   python -m pip list 2>/dev/null | grep -iE "^(torch|torchvision|deepspeed|accelerate) "; git rev-parse HEAD
   cat shared/peer/REVISIONS 2>/dev/null; } > "$OUT/env.txt" 2>&1
-pack() {  # what part 1 has so far, into $OUT (a lock file stays in $WORK)
+pack() {  # what part 1 has so far, into $OUT (a lock file stays in $WORK); .gpu/peer.sh calls it too
   [ -f "$ROWS" ] && cp "$ROWS" "$OUT/rows.csv"
   tar czf "$OUT/logs.tgz" -C "$WORK" logs 2>/dev/null
 }
+export -f pack
 skip() { echo "$1 skipped: $(left) s left, needs ~$2" | tee -a "${3:-$WORK/logs/skipped.txt}"; }
 COMMON="--dataset synthetic --no-pretrained --model resnet50 --image-size 224 --epochs 1 --max-steps 60
         --timing-warmup-steps 20 --train-samples 40000 --test-samples 512 --warmup-steps 0 --log-every 20
@@ -93,4 +96,5 @@ if [ "$PART" = 2 ]; then
       echo "gpu tier, timed tests, exit $?"
     fi
   else skip "gpu tier" 60 "$OUT/gpu_tier.txt"; fi
+  [ -f "$WORK/logs/wheels.log" ] && { echo "--- wheels"; cat "$WORK/logs/wheels.log"; } >> "$OUT/gpu_tier.txt"
 fi

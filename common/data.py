@@ -101,22 +101,24 @@ def _load_node_by_node(data_dir: str, train: bool) -> tuple[np.ndarray, np.ndarr
     """CIFAR10 in a process group: each node's local rank 0 in turn (it downloads what is missing), then the
     other ranks. A --data-dir the nodes share is then complete before the next node looks: torchvision writes
     the archive straight to its final name and extracts it in place (datasets/utils.py download_url,
-    cifar.py), so two nodes downloading into one folder at once corrupt it. A failure is raised after the
-    turns, so that no rank waits alone at a barrier."""
+    cifar.py), so two nodes downloading into one folder at once corrupt it. The node is torchrun's GROUP_RANK
+    and the turns are agreed over the group, so nodes of different sizes take the same barriers; a failure
+    anywhere is raised on every rank after the turns, before any other rank tries the folder."""
+    from .distributed import all_gather_object
     from .distributed import local_rank as node_index
 
-    local_rank, rank, world = node_index(), dist.get_rank(), dist.get_world_size()
-    per_node = local_world_size() or world  # torchrun numbers a node's ranks consecutively
+    per_node = local_world_size() or dist.get_world_size()
+    node = int(os.environ.get("GROUP_RANK", dist.get_rank() // per_node))
     out, error = None, None
-    for turn in range(-(-world // per_node)):
-        if local_rank == 0 and rank // per_node == turn:
+    for turn in range(max(all_gather_object(node)) + 1):
+        if node_index() == 0 and node == turn:
             try:
                 out = load_cifar10(data_dir, train)
-            except Exception as e:  # noqa: BLE001  (re-raised below, once every node has had its turn)
+            except Exception as e:  # noqa: BLE001  (raised below, once every node has had its turn)
                 error = e
         dist.barrier()
-    if error is not None:
-        raise error
+    if any(all_gather_object(error is not None)):
+        raise error or UsageError("CIFAR10 could not be loaded on another node (its log says why)")
     return out if out is not None else load_cifar10(data_dir, train)
 
 

@@ -223,38 +223,46 @@ def test_ranks_agree_to_skip_the_loader_probe(monkeypatch):
     (9, 1, ["barrier", "barrier", "load"]),  # every other rank: once every node's first rank is done
 ])
 def test_cifar10_is_fetched_one_node_at_a_time(monkeypatch, rank, local, want):
-    """Two nodes of 8 sharing --data-dir: their first ranks must not download into it at the same time."""
+    """Two nodes sharing --data-dir: their first ranks must not download into it at the same time. The turns
+    are agreed over the group (node 1 holds 4 ranks here, node 0 eight: both take 2 barriers)."""
     from types import SimpleNamespace
 
     calls = []
     monkeypatch.setattr(data, "load_cifar10", lambda d, train: calls.append("load") or (np.zeros(1), np.zeros(1)))
     monkeypatch.setattr(data, "dist", SimpleNamespace(is_initialized=lambda: True, get_rank=lambda: rank,
-                                                      get_world_size=lambda: 16,
+                                                      get_world_size=lambda: 12,
                                                       barrier=lambda: calls.append("barrier")))
+    monkeypatch.setattr("common.distributed.all_gather_object", lambda obj: [obj, 1 if not isinstance(obj, bool)
+                                                                             else False])
     monkeypatch.delenv("BENCH_NODE_LOCAL_RANK", raising=False)  # distributed.py's copy of the launcher's index
     monkeypatch.setenv("LOCAL_RANK", str(local))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8" if rank < 8 else "4")
+    monkeypatch.setenv("GROUP_RANK", "0" if rank < 8 else "1")
     cfg = SimpleNamespace(dataset="cifar10", data_dir="data", train_samples=0, test_samples=0)
     data.load_arrays(cfg, train=True)
     assert calls == want
 
 
-def test_a_failed_download_is_raised_after_every_node_s_turn(monkeypatch):
+def test_a_failed_download_is_raised_on_every_rank_after_the_turns(monkeypatch):
+    """The failing rank raises its own error; a rank of another node raises too, without touching the folder."""
     from types import SimpleNamespace
-
-    calls = []
 
     def fail(d, train):
         calls.append("load")
         raise UsageError("CIFAR10 download failed")
 
-    monkeypatch.setattr(data, "load_cifar10", fail)
-    monkeypatch.setattr(data, "dist", SimpleNamespace(is_initialized=lambda: True, get_rank=lambda: 0,
-                                                      get_world_size=lambda: 4,
-                                                      barrier=lambda: calls.append("barrier")))
-    monkeypatch.delenv("BENCH_NODE_LOCAL_RANK", raising=False)
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(UsageError, match="download failed"):
-        data.load_arrays(SimpleNamespace(dataset="cifar10", data_dir="d", train_samples=0, test_samples=0), True)
-    assert calls == ["load", "barrier", "barrier"]
+    for rank, local, failed_elsewhere, want in ((0, "0", False, "download failed"), (3, "1", True, "another node")):
+        calls = []
+        monkeypatch.setattr(data, "load_cifar10", fail)
+        monkeypatch.setattr(data, "dist", SimpleNamespace(is_initialized=lambda: True, get_rank=lambda: rank,
+                                                          get_world_size=lambda: 4,
+                                                          barrier=lambda: calls.append("barrier")))
+        monkeypatch.setattr("common.distributed.all_gather_object",
+                            lambda obj: [obj, failed_elsewhere] if isinstance(obj, bool) else [obj, 1])
+        monkeypatch.delenv("BENCH_NODE_LOCAL_RANK", raising=False)
+        monkeypatch.delenv("GROUP_RANK", raising=False)
+        monkeypatch.setenv("LOCAL_RANK", local)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        with pytest.raises(UsageError, match=want):
+            data.load_arrays(SimpleNamespace(dataset="cifar10", data_dir="d", train_samples=0, test_samples=0), True)
+        assert calls == (["load", "barrier", "barrier"] if rank == 0 else ["barrier", "barrier"])

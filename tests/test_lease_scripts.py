@@ -59,14 +59,14 @@ exit 0
 """
 
 
-def _lease(tmp_path, part: str, deadline_s: int) -> tuple[subprocess.CompletedProcess, str, str]:
+def _lease(tmp_path, part: str, deadline_s: int, peer: str = "no_peer") -> tuple[subprocess.CompletedProcess, str, str]:
     bin_dir, out, work = tmp_path / "bin", tmp_path / "out", tmp_path / "work"
     bin_dir.mkdir()
     for name, text in (("python", FAKE_PYTHON), ("nvidia-smi", "#!/bin/sh\necho fake GPU\n")):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "WORK": str(work),
-           "DEADLINE_S": str(deadline_s), "PEER": str(tmp_path / "no_peer")}
+           "DEADLINE_S": str(deadline_s), "PEER": str(tmp_path / peer)}
     proc = subprocess.run(["bash", os.path.join(GPU_DIR, "run.sh"), part], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60)
     return proc, str(out), str(work)
@@ -89,6 +89,22 @@ def test_part_1_skips_what_no_longer_fits_and_packs_what_it_ran(tmp_path):
     assert "logs/amp_defaults_32.log" in names
     assert [ln.split()[0] for ln in skipped.splitlines()] == ["fp32_gpu_no-channels-last", "fp32_gpu_channels-last",
                                                               "amp_defaults_256"]
+
+
+def test_the_peer_s_launches_are_packed_as_they_finish(tmp_path):
+    """The peer's and our launches at its settings land in rows.csv and logs.tgz after each one."""
+    import tarfile
+
+    (tmp_path / "peer" / "ConvNets").mkdir(parents=True)
+    (tmp_path / "peer" / "ConvNets" / "launch.py").write_text("")
+    (tmp_path / "peer" / "dllogger").mkdir()
+    proc, out, _ = _lease(tmp_path, "1", 500, peer="peer")
+    assert proc.returncode == 0, proc.stderr
+    ran = open(os.path.join(out, "rows.csv")).read().split()
+    assert ran[-3:] == [f"lease/peer_ours_amp_fp16_{i}" for i in (1, 2, 3)]
+    with tarfile.open(os.path.join(out, "logs.tgz")) as tar:
+        assert {f"logs/peer/dle_amp_{i}.log" for i in (1, 2, 3)} <= set(tar.getnames())
+    assert len(os.listdir(out)) <= 8
 
 
 def test_part_2_says_what_it_skipped_in_the_files_that_come_back(tmp_path):

@@ -36,7 +36,10 @@ def probe_loader(loader, cfg, hooks) -> float | None:
         batches -= batches % workers
     if world_size() > 1:  # the fewest any rank can draw: workers are sized from each node's own cores, and a
         # rank that skipped the collectives below while the others entered them would hang them
-        batches = int(-reduce_metrics({"b": -float(batches)}, hooks.device, "max")["b"])
+        fewest = reduce_metrics({"b": -float(batches)}, hooks.device, "max")["b"]  # None: unreadable (meta)
+        batches = batches if fewest is None else int(-fewest)
+        if workers > 1:
+            batches -= batches % workers  # whole rounds of this rank's workers again
     if batches < 1:
         return None
     from ..checkpoint import rng_state, set_rng_state
