@@ -223,7 +223,11 @@ def _groups(parser, cls) -> dict[str, Any]:
     return groups
 
 
-def build_parser(cls, description: str, precisions: Sequence[str]) -> argparse.ArgumentParser:
+def build_parser(cls, description: str, precisions: Sequence[str], **script_defaults) -> argparse.ArgumentParser:
+    """--help shows each flag's default as a run without flags gets it (parse_config): the field's, then the
+    script's (its first precision), then the default YAML's (config/classifier_cifar10.yaml: epochs 5)."""
+    shown = {f.name: f.default for f in dataclasses.fields(cls)} | {"precision": precisions[0], **script_defaults}
+    shown |= load_yaml(DEFAULT_CONFIG, cls) if os.path.exists(DEFAULT_CONFIG) else {}
     parser = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                      argument_default=argparse.SUPPRESS)
     groups = _groups(parser, cls)
@@ -238,7 +242,7 @@ def build_parser(cls, description: str, precisions: Sequence[str]) -> argparse.A
         if f.name == "precision":
             choices = tuple(precisions)
         help_ = argparse.SUPPRESS if f.metadata.get("hidden") else \
-            f.metadata["help"] + (f" (default {f.default})" if f.default not in ("", None) else "")
+            f.metadata["help"] + (f" (default {shown[f.name]})" if shown[f.name] not in ("", None) else "")
         if _tp(f) == "bool":
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
         else:
@@ -250,7 +254,7 @@ def build_parser(cls, description: str, precisions: Sequence[str]) -> argparse.A
 def parse_config(cls=TrainConfig, description: str = "", precisions: Sequence[str] = ("fp32",),
                  argv: Sequence[str] | None = None, **script_defaults) -> EvalConfig:
     """Defaults < script_defaults < YAML < CLI. Raises UsageError on any bad value."""
-    parser = build_parser(cls, description, precisions)
+    parser = build_parser(cls, description, precisions, **script_defaults)
     args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
     values = dict(script_defaults)
     values.setdefault("precision", precisions[0])

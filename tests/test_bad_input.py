@@ -75,6 +75,7 @@ def test_a_folder_given_for_a_config_file_is_refused(tmp_path):
         load_yaml(str(tmp_path))
 
 
+@pytest.mark.beside  # one process, no timing: a shared launch of the tests ahead runs beside it
 @pytest.mark.slow
 @pytest.mark.parametrize("flags, word", [(["--results", ""], "--results"), (["--save-dir", "FILE"], "--save-dir")])
 def test_a_script_refuses_a_path_it_cannot_use_before_training(tmp_path, flags, word):

@@ -66,7 +66,11 @@ FAKES = {
             'if [ $one = 1 ]; then exec "$@"; fi\n'
             'for n in $FAKE_NODEIDS; do echo "step cpus ${SRUN_CPUS_PER_TASK:-unset}"\n'
             '    SLURM_NODEID=$n "$@" || exit; done',
-    "launcher": 'echo "node $SLURM_NODEID: $*"',
+    # node 0 holds the address node_addr.sh found (on ens5); the others route to it through ib0
+    "ip": 'case "$*" in "-o -4 addr show to "*) [ "$SLURM_NODEID" = 0 ] && for a in $FAKE_ADDRS; do\n'
+          '    [ "$a" = "$6" ] && echo "2: ens5    inet $a/24 brd 10.1.2.255 scope global ens5"; done ;;\n'
+          '"-o route get "*) echo "$4 via 10.1.0.1 dev ib0 src 10.1.2.4 uid 0 \\    cache" ;; esac; true',
+    "launcher": 'echo "node $SLURM_NODEID: gloo=${GLOO_SOCKET_IFNAME:-unset} $*"',
 }
 
 
@@ -80,7 +84,7 @@ def run_template(tmp_path, template: str, *args: str, nodes: str = "0 1", **env)
         (bin_dir / name).chmod(0o755)
     job = {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "3",
            "PYTHON": str(bin_dir / "launcher"), "FAKE_NODEIDS": nodes, "FAKE_ADDRS": "", "RDZV_PORT": "29555"}
-    base = {k: v for k, v in os.environ.items() if k not in ("RDZV_ADDR", "SRUN_CPUS_PER_TASK")}
+    base = {k: v for k, v in os.environ.items() if k not in ("RDZV_ADDR", "SRUN_CPUS_PER_TASK", "GLOO_SOCKET_IFNAME")}
     return subprocess.run(["bash", f"slurm/{template}", *args], cwd=ROOT, capture_output=True, text=True, timeout=30,
                           env={**base, **job, "PATH": f"{bin_dir}:{os.environ['PATH']}", **env})
 
@@ -97,6 +101,24 @@ def test_torchrun_template_rendezvouses_on_an_address_the_other_nodes_reach(tmp_
     assert proc.stdout.count("step cpus 3") == 2, proc.stdout  # SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
     assert "--rdzv-endpoint=10.9.9.9:29555" in run_template(tmp_path, "torchrun.sbatch", "pytorch_DDP.py",
                                                             RDZV_ADDR="10.9.9.9").stdout  # the user's choice
+
+
+def test_each_node_names_gloo_the_interface_it_reaches_the_first_node_through(tmp_path):
+    """Without GLOO_SOCKET_IFNAME gloo listens where the host name resolves, 127.0.1.1 here, which no other node
+    reaches (slurm/node_ifname.sh): node 0 takes the interface that holds the rendezvous address, node 1 the one
+    its route to it leaves by. The user's choice stands, and one node keeps gloo's own (common/distributed.py
+    then puts it on loopback)."""
+    for template, args in (("torchrun.sbatch", ["pytorch_DDP.py"]),
+                           ("accelerate.sbatch", ["config/default_DDP.yml", "accelerate_DDP.py"])):
+        proc = run_template(tmp_path, template, *args, FAKE_ADDRS="10.1.2.3")
+        nodes = [ln for ln in proc.stdout.splitlines() if ln.startswith("node ")]
+        assert proc.returncode == 0 and len(nodes) == 2, (proc.stdout, proc.stderr)
+        assert "gloo=ens5 " in nodes[0] and "gloo=ib0 " in nodes[1], nodes
+        assert "gloo on node 1: ib0" in proc.stdout  # the job's log says so
+        mine = run_template(tmp_path, template, *args, FAKE_ADDRS="10.1.2.3", GLOO_SOCKET_IFNAME="eth7").stdout
+        assert mine.count("gloo=eth7 ") == 2, mine
+        one = run_template(tmp_path, template, *args, nodes="0", FAKE_ADDRS="10.1.2.3", SLURM_NNODES="1").stdout
+        assert "gloo=unset " in one, one
 
 
 def test_a_head_node_with_only_loopback_is_refused_in_one_line(tmp_path):

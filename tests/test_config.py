@@ -49,6 +49,17 @@ def test_precision_restricted_per_script():
 HARNESS_FLAGS = ("--run-name", "--repeat", "--scaling")
 
 
+def test_help_shows_the_script_s_own_defaults():
+    """The half-precision scripts run fp16 unless told otherwise, and the default YAML's 5 epochs beat the
+    field's 2 and a script's own: --help says what a run without flags gets."""
+    from common.config import build_parser
+
+    shown = " ".join(build_parser(TrainConfig, "", ("fp16", "bf16"), epochs=3, grad_accum=4).format_help().split())
+    assert "(default fp16)" in shown and "(default fp32)" not in shown, shown
+    assert "(default 5)" in shown.split("--epochs EPOCHS passes", 1)[1][:60], shown  # the YAML's
+    assert "(default 4)" in shown.split("--grad-accum GRAD_ACCUM micro-batches", 1)[1][:60], shown  # the script's
+
+
 def test_help_shows_what_a_user_types_and_the_harness_flags_still_parse():
     """benchmark.py and calibrate set these; --help hides them (docs/configuration.md lists them)."""
     from common.config import DistributedConfig, build_parser

@@ -27,8 +27,20 @@ def cluster(tmp_path_factory):
 
 
 def slurm_env(c: Cluster) -> dict:
-    return clean_env({"SLURM_CONF": c.conf, "PYTHON": sys.executable,
-                      "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
+    """The jobs' environment, without tests/conftest.py's GLOO_SOCKET_IFNAME=lo: the templates pick gloo's
+    interface for a job of several nodes themselves (slurm/node_ifname.sh), as they would on a cluster."""
+    env = clean_env({"SLURM_CONF": c.conf, "PYTHON": sys.executable,
+                     "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
+    return {k: v for k, v in env.items() if k != "GLOO_SOCKET_IFNAME"}
+
+
+def gloo_lines() -> list[str]:
+    """What each of the two nodes' tasks prints: gloo on the interface that holds the rendezvous address."""
+    addr = subprocess.run(["bash", "slurm/node_addr.sh", "2"], cwd=ROOT, capture_output=True, text=True).stdout
+    ifname = subprocess.run(["bash", "slurm/node_ifname.sh", addr.strip()], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    assert ifname and ifname != "lo", (addr, ifname)
+    return [f"gloo on node {n}: {ifname}" for n in (0, 1)]
 
 
 def benchmark(c: Cluster, tmp_path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -72,6 +84,7 @@ def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
     assert ddp["restarts"] == "0" and int(ddp["test_samples"]) == 37  # odd over 2 ranks: every sample once
     (log,) = (tmp_path / "slurm" / "logs").glob("smoke__pytorch_DDP-*.log")
     assert "2 nodes x 1 processes" in log.read_text()
+    assert all(ln in log.read_text() for ln in gloo_lines()), log.read_text()[-3000:]
     # the step's os.sched_getaffinity(0), as rank 0 found it (common/data.py size_workers), and torch's threads
     assert f"rank 0: {cpus} CPUs for 1 processes on its node" in log.read_text(), log.read_text()[-3000:]
     assert ddp["cpu_threads"] == str(cpus), ddp
@@ -103,6 +116,7 @@ def test_accelerate_deepspeed_through_the_accelerate_template_on_two_nodes(clust
     (row,) = rows(tmp_path / "summary.csv")
     assert row["status"] == "ok" and row["world_size"] == "2" and row["strategy"] == "accelerate_deepspeed_zero2", row
     assert int(row["test_samples"]) == 37
+    assert all(ln in text for ln in gloo_lines()), text[-3000:]
 
 
 @pytest.mark.beside
