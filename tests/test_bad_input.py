@@ -59,6 +59,7 @@ def test_foreign_files_and_out_of_range_numbers_are_refused(tmp_path, capsys):
         assert word in refused(capsys, ["run", "--preset", "smoke", "--dry-run", *flags]), flags
 
 
+@pytest.mark.beside  # one process at a time, no timing
 @pytest.mark.slow
 def test_a_bad_flag_of_a_subcommand_is_one_line():
     for argv in (["calibrate", "--device", "tpu"], ["compare", "a.csv"], ["frobnicate"]):

@@ -1474,11 +1474,13 @@ def test_calibrate_fits_the_median_collectives_of_its_repeats(monkeypatch):
 
 @pytest.mark.beside
 @pytest.mark.slow  # launches processes
-def test_calibrate_then_a_run_predicts_itself(tmp_path):
+@pytest.mark.launches("pytorch_DDP-fp32-3epochs")
+def test_calibrate_then_a_run_predicts_itself(tmp_path, runs):
     """benchmark.py calibrate (compute at 1 and 2 processes, collectives at 2 ranks), then a run whose results
     file has it beside: pred_step_ms in its row at once, beside the measured step; and a DDP run whose results
-    folder has none, predicted afterwards by `benchmark.py predict --calibration`. The error is recorded, not
-    bounded: on a shared 2-core machine a 4-step run is noise; docs/time.md has the checked figures."""
+    folder has none (a shared launch at the calibration's batch, 8 a rank), predicted afterwards by `benchmark.py
+    predict --calibration`. The error is recorded, not bounded: on a shared 2-core machine a 4-step run is
+    noise; docs/time.md has the checked figures."""
     import contextlib
     import io
     import json
@@ -1535,14 +1537,14 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path):
     assert parts["compute"] > 0 and parts["optimizer"] > 0 and parts["comm_exposed"] == 0
     assert sum(parts.values()) == pytest.approx(pred, abs=0.01)
     # no calibration beside a run's results: its row says why, and predict fills it in from the file named
-    other = tmp_path / "elsewhere"
-    check_ok(run("pytorch_DDP.py", tiny_args(other, comm_steps=0), nproc=2, launcher="torchrun"))
-    (row,) = rows(other / "summary.csv")
+    (other,) = runs
+    check_ok(other.proc)
+    row = other.row
     assert not row["pred_step_ms"] and "pred_step_ms: no calibration" in row["notes"], row["notes"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert predict(types.SimpleNamespace(results=str(other / "summary.csv"), calibration=str(cal), workers=0,
-                                             parts=False)) == 0
+        assert predict(types.SimpleNamespace(results=str(other.folder / "summary.csv"), calibration=str(cal),
+                                             workers=0, parts=False)) == 0
     assert "now: median error" in out.getvalue() and "not predicted now" not in out.getvalue(), out.getvalue()
 
 
