@@ -225,9 +225,13 @@ def _groups(parser, cls) -> dict[str, Any]:
 
 def build_parser(cls, description: str, precisions: Sequence[str], **script_defaults) -> argparse.ArgumentParser:
     """--help shows each flag's default as a run without flags gets it (parse_config): the field's, then the
-    script's (its first precision), then the default YAML's (config/classifier_cifar10.yaml: epochs 5)."""
+    script's (its first precision), then the default YAML's (config/classifier_cifar10.yaml; model_inference.py's
+    batch 128). A default YAML that cannot be read leaves the rest: a run given --config never reads it."""
     shown = {f.name: f.default for f in dataclasses.fields(cls)} | {"precision": precisions[0], **script_defaults}
-    shown |= load_yaml(DEFAULT_CONFIG, cls) if os.path.exists(DEFAULT_CONFIG) else {}
+    try:
+        shown |= load_yaml(DEFAULT_CONFIG, cls)
+    except UsageError:
+        pass
     parser = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                      argument_default=argparse.SUPPRESS)
     groups = _groups(parser, cls)

@@ -91,8 +91,7 @@ def pytest_runtest_setup(item):
                     f"{item.nodeid}", returncode=3)
     launches.RUNNING = item.nodeid
     if launches.ACTIVE is not None:  # how many shared launches may run beside this test (tests/launches.py)
-        launches.ACTIVE.allow(launches.IN_FLIGHT if item.get_closest_marker("launches") else
-                              1 if launches.beside(item) else 0)
+        launches.ACTIVE.allow(launches.limit_for(item))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -216,6 +216,14 @@ def beside(item) -> bool:
     return item.get_closest_marker("slow") is None or item.get_closest_marker("beside") is not None
 
 
+def limit_for(item) -> int:
+    """The launches that may run while `item` runs: 1 beside a test marked so, even one that reads shared
+    launches first (its own processes come after); IN_FLIGHT while a test reads them; else 0."""
+    if beside(item):
+        return 1
+    return IN_FLIGHT if item.get_closest_marker("launches") else 0
+
+
 class SharedLaunches:
     def __init__(self, root: Path):
         self.root, self.done = root, {}

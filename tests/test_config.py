@@ -50,14 +50,19 @@ HARNESS_FLAGS = ("--run-name", "--repeat", "--scaling")
 
 
 def test_help_shows_the_script_s_own_defaults():
-    """The half-precision scripts run fp16 unless told otherwise, and the default YAML's 5 epochs beat the
-    field's 2 and a script's own: --help says what a run without flags gets."""
+    """The half-precision scripts run fp16 unless told otherwise, the default YAML's 5 epochs beat a script's
+    own 3, and model_inference.py's batch is the YAML's 128, not its field's 256: --help says what a run without
+    flags gets."""
     from common.config import build_parser
+    from model_inference import InferenceConfig
 
     shown = " ".join(build_parser(TrainConfig, "", ("fp16", "bf16"), epochs=3, grad_accum=4).format_help().split())
     assert "(default fp16)" in shown and "(default fp32)" not in shown, shown
     assert "(default 5)" in shown.split("--epochs EPOCHS passes", 1)[1][:60], shown  # the YAML's
     assert "(default 4)" in shown.split("--grad-accum GRAD_ACCUM micro-batches", 1)[1][:60], shown  # the script's
+    inference = " ".join(build_parser(InferenceConfig, "", ("fp32",)).format_help().split())
+    assert "(default 128)" in inference.split("--batch-size BATCH_SIZE", 2)[2][:120], inference
+    assert InferenceConfig.batch_size == 256 and parse_config(InferenceConfig, argv=[]).batch_size == 128
 
 
 def test_help_shows_what_a_user_types_and_the_harness_flags_still_parse():

@@ -57,3 +57,16 @@ def test_the_look_ahead_fills_what_the_running_test_leaves_and_no_more(tmp_path,
             g.set()
         shared.close()
     assert started == [a, b, c] and not os.path.exists(tmp_path)
+
+
+def test_a_test_marked_beside_allows_one_launch_even_when_it_reads_shared_ones():
+    """The calibration reads a shared launch, then runs its own two processes: one launch beside them, not two."""
+    from types import SimpleNamespace
+
+    def item(*marks):
+        return SimpleNamespace(get_closest_marker=lambda name: name if name in marks else None)
+
+    assert launches.limit_for(item()) == 1  # the fast tier
+    assert launches.limit_for(item("slow", "beside", "launches")) == 1
+    assert launches.limit_for(item("slow", "launches")) == launches.IN_FLIGHT > 1
+    assert launches.limit_for(item("slow")) == 0
