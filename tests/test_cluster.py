@@ -200,6 +200,7 @@ def _save_dir_rank(rank, world, port, queue, root):
     queue.put((rank, out))
 
 
+@pytest.mark.slow  # spawns a gloo group of 2 processes (helpers.spawn_ranks)
 def test_a_save_dir_only_one_rank_sees_is_refused_before_training(tmp_path):
     """Two ranks whose --save-dir is a different folder on each "node" (a node-local /tmp): both refuse, in one
     line that names the folder and the rank that cannot see rank 0's files, where training would have failed at

@@ -55,6 +55,7 @@ def cuda_only_group():
     return run_group("cuda:gloo")
 
 
+@pytest.mark.slow  # spawns a gloo group of 2 processes (helpers.spawn_ranks)
 def test_helpers_follow_the_device_they_are_given(cuda_only_group):
     for out in cuda_only_group.values():
         assert "error" not in out, out
@@ -62,12 +63,14 @@ def test_helpers_follow_the_device_they_are_given(cuda_only_group):
         assert set(out["probes_on_meta"]) >= {"peak_allocated_gib", "gpu_util_mean"}
 
 
+@pytest.mark.slow  # spawns a gloo group of 2 processes (helpers.spawn_ranks)
 def test_the_twin_group_rejects_cpu_tensors(cuda_only_group):
     """What the defect did (metric tensors built on the CPU under nccl) fails under the twin."""
     for out in cuda_only_group.values():
         assert "No backend type associated with device type cpu" in out["cpu"]
 
 
+@pytest.mark.slow  # spawns a gloo group of 2 processes (helpers.spawn_ranks)
 def test_one_rank_claims_a_failed_runs_row(cuda_only_group):
     assert sorted(out["claim"] for out in cuda_only_group.values()) == [False, True]
 

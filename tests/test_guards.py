@@ -49,6 +49,7 @@ def _rank(rank, world, port, queue):
         queue.put((rank, {"error": repr(exc)}))
 
 
+@pytest.mark.slow  # spawns a gloo group of 2 processes (helpers.spawn_ranks)
 def test_per_rank_figures_are_the_max_over_ranks():
     """Ranks holding different amounts (a pipeline's stages do): every rank's row, rank 0's that is
     written included, takes the largest, which here is rank 1's."""
