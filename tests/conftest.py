@@ -109,13 +109,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Before any end-to-end test: two processes must form a gloo group here, or the suite stops at once
-    with why (each launch would otherwise wait out its own timeout: a CI run of 90 minutes, all red)."""
+    """Before any end-to-end test: the disk must hold what the suite writes, and two processes must form a gloo
+    group here, or the suite stops at once with why (each launch would otherwise wait out its own timeout: a CI
+    run of 90 minutes, all red)."""
     if session.config.option.collectonly:
         return
     if any(item.get_closest_marker("slow") for item in session.items):
-        from helpers import gloo_pair_problem
+        import tempfile
 
+        from helpers import disk_problem, gloo_pair_problem
+
+        basetemp = session.config.option.basetemp
+        problem = disk_problem(os.path.dirname(os.path.abspath(basetemp)) if basetemp else tempfile.gettempdir())
+        if problem:
+            pytest.exit(problem, returncode=3)
         problem = gloo_pair_problem()
         if problem:
             pytest.exit(problem, returncode=3)

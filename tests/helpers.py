@@ -191,6 +191,24 @@ def _pair_worker(rank, world, port, queue):
         queue.put((rank, repr(exc)))
 
 
+# The full suite's peak under its basetemp: 3.8 GiB at 569d784 (results/campaigns/2026-11-28_xeon-amx_suite_b,
+# disk.log), most of it the shared launches' checkpoints (each vit_b_16 launch's final weights are 343 MB)
+SUITE_DISK_GIB = 5
+
+
+def disk_problem(where: str, need_gib: float | None = None) -> str | None:
+    """None when `where`'s file system has need_gib free; else why the suite cannot start. A full disk fails
+    tests far from the cause (a launch's checkpoint, pytest's own tmp_path), ten of them before --maxfail."""
+    import shutil
+
+    need_gib = SUITE_DISK_GIB if need_gib is None else need_gib
+    free = shutil.disk_usage(where).free / 2**30
+    if free >= need_gib:
+        return None
+    return (f"{free:.1f} GiB free under {where}, and the full suite writes up to {need_gib:g} GiB there "
+            "(its shared launches' checkpoints): free some, or give pytest --basetemp on a larger disk")
+
+
 def gloo_pair_problem(timeout: float = 90) -> str | None:
     """None when two spawned processes form a gloo group and all-reduce within timeout; else why not,
     with what gloo's address depends on. Every end-to-end test needs this; on a machine where it fails

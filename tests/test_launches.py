@@ -1,11 +1,15 @@
 """The look-ahead of the shared launches (tests/launches.py): how many run beside which test, and what a
-test's monkeypatching can no longer reach. The launches themselves are replaced by gates the test opens."""
+test's monkeypatching can no longer reach. The launches themselves are replaced by gates the test opens.
+And the disk they write to: a full suite that would not fit stops before its first test."""
 import os
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
+import helpers
 import launches
+import pytest
 from helpers import release_port
 
 
@@ -70,3 +74,18 @@ def test_a_test_marked_beside_allows_one_launch_even_when_it_reads_shared_ones()
     assert launches.limit_for(item("slow", "beside", "launches")) == 1
     assert launches.limit_for(item("slow", "launches")) == launches.IN_FLIGHT > 1
     assert launches.limit_for(item("slow")) == 0
+
+
+def test_a_full_suite_the_disk_cannot_hold_stops_before_its_first_test(tmp_path, monkeypatch, pytestconfig):
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py")  # not tests/gpu's
+    conftest = next(m for m in pytestconfig.pluginmanager.get_plugins() if getattr(m, "__file__", None) == here)
+    slow = SimpleNamespace(get_closest_marker=lambda name: name == "slow" or None)
+    session = SimpleNamespace(items=[slow], config=SimpleNamespace(
+        option=SimpleNamespace(collectonly=False, basetemp=str(tmp_path / "base"))))
+    monkeypatch.setattr(helpers, "gloo_pair_problem", lambda: "reached the gloo check")
+    monkeypatch.setattr(helpers, "SUITE_DISK_GIB", 2.0**40)  # a TiB more than any disk here holds
+    with pytest.raises(pytest.exit.Exception, match=rf"GiB free under {tmp_path}, and the full suite writes"):
+        conftest.pytest_collection_finish(session)
+    monkeypatch.setattr(helpers, "SUITE_DISK_GIB", 0)
+    with pytest.raises(pytest.exit.Exception, match="reached the gloo check"):
+        conftest.pytest_collection_finish(session)

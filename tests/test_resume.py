@@ -11,22 +11,21 @@ import helpers
 import pytest
 from helpers import check_ok, hold_port, one_line_error, release_port, rows, run, tiny_args
 
-CASES = [("accelerate_DeepSpeed.py", 2), ("pytorch_DDP_ZeRO.py", 2), ("pytorch_FSDP.py", 2),
-         ("pytorch_DeepSpeed.py", 2)]
+SCRIPTS = ["accelerate_DeepSpeed.py", "pytorch_DDP_ZeRO.py", "pytorch_FSDP.py", "pytorch_DeepSpeed.py"]
+NPROC = 2
 
 pytestmark = pytest.mark.slow
 
 
-def args(tmp_path, script):
-    extra = {"precision": "bf16"} if "mixed" in script else {}
+def args(tmp_path):
     # 4 steps an epoch; killed after the first epoch's checkpoint. No communication profile and no loader probe:
     # neither changes what is trained (a resumed group that profiles is test_reliability's restart test)
-    return tiny_args(tmp_path, epochs=2, comm_steps=0, loader_probe_batches=0, **extra)
+    return tiny_args(tmp_path, epochs=2, comm_steps=0, loader_probe_batches=0)
 
 
-def start(script, argv, nproc, stderr=subprocess.PIPE, port=None):
+def start(script, argv, stderr=subprocess.PIPE, port=None):
     """In a session of its own, so that kill_all finds the launcher and its workers below it."""
-    return helpers.start(script, argv, nproc, "python" if nproc == 1 else "torchrun", port=port,
+    return helpers.start(script, argv, NPROC, "torchrun", port=port,
                          stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
 
 
@@ -59,17 +58,16 @@ def kill_all(proc) -> None:
     proc.wait()
 
 
-@pytest.mark.parametrize("script, nproc", CASES)
-def test_kill_and_resume_matches_uninterrupted(tmp_path, script, nproc):
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_kill_and_resume_matches_uninterrupted(tmp_path, script):
     ref, cut = tmp_path / "ref", tmp_path / "cut"
-    launcher = "python" if nproc == 1 else "torchrun"
     # the uninterrupted reference trains beside the run that is killed: on 2 cores the two overlap in their
     # imports, start-up and exits, and neither's result depends on timing (gloo's sums, no timed draw)
     ref.mkdir()
     ports = [hold_port(), hold_port()]  # two launches at once: two rendezvous ports
     with open(ref / "stderr.txt", "w+") as ref_err:
-        ref_proc = start(script, args(ref, script), nproc, stderr=ref_err, port=ports[0])
-        proc = start(script, args(cut, script) + ["--resume", "auto"], nproc, port=ports[1])
+        ref_proc = start(script, args(ref), stderr=ref_err, port=ports[0])
+        proc = start(script, args(cut) + ["--resume", "auto"], port=ports[1])
         try:
             latest = cut / "ckpt" / script[:-3] / "resume" / "latest"
             deadline = time.time() + 240
@@ -88,7 +86,7 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, script, nproc):
         assert ref_proc.returncode == 0, ref_err.read()[-3000:]
     (expected,) = rows(ref / "summary.csv")
 
-    proc2 = run(script, args(cut, script) + ["--resume", "auto"], nproc=nproc, launcher=launcher)
+    proc2 = run(script, args(cut) + ["--resume", "auto"], nproc=NPROC, launcher="torchrun")
     check_ok(proc2)
     assert "resumed after epoch" in proc2.stdout
     (got,) = rows(cut / "summary.csv")
