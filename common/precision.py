@@ -147,6 +147,14 @@ def check_dtype_support(precision: str, device: torch.device, cfg: EvalConfig | 
               f"fp16 saves memory here but not time", file=sys.stderr)
 
 
+def skipped_now(found_inf_per_device: dict) -> torch.Tensor:
+    """1 when this step was skipped, else 0, on the device (no host sync). Not the flags' sum: a model over
+    several devices has one flag each, and ShardedGradScaler all-reduces its flags over the ranks, summing
+    the ranks that overflowed (torch/distributed/fsdp/sharded_grad_scaler.py unscale_, dist.all_reduce)."""
+    flags = list(found_inf_per_device.values())
+    return torch.stack([f.to(flags[0].device) for f in flags]).amax().gt(0).to(torch.int64)
+
+
 class ScaledStep:
     """backward and the optimizer step around a GradScaler, shared by the scripts whose strategy does
     not own the step (single device, DataParallel, DDP, DDP+ZeRO, FSDP). With the scaler disabled
@@ -167,7 +175,7 @@ class ScaledStep:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
         self.scaler.step(self.optimizer)
         if self.scaler.is_enabled():
-            found = sum(self.scaler._found_inf_per_device(self.optimizer).values())
+            found = skipped_now(self.scaler._found_inf_per_device(self.optimizer))
             self.skipped = found if self.skipped is None else self.skipped + found
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

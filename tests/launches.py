@@ -78,6 +78,9 @@ VIT_EQUAL = {**EQUAL, **VIT, **VIT_STEPS}
 VIT_SPLIT = {**VIT_EQUAL, "epoch_checkpoints": False}  # 86M parameters: no epoch checkpoint of a split model
 # ... in half precision 4 steps of 4: where the half kernels are emulated, a step of 16 would take seconds
 VIT_HALF = {"batch_size": 4, "train_samples": 16}
+# ... and in fp16 8 steps of 16: the loss scalers start at 2^16 (torch.amp.GradScaler's init_scale; the JSONs'
+# initial_scale_power 16, hysteresis 2) and skip their first 4-5 steps for overflow here, so 4 would update nothing
+FP16_STEPS = {"train_samples": 128}
 # flags some cases add, so that the option's path runs somewhere
 EXTRA = {("pytorch_auto_mixed_precision.py", "fp16"): {"clip_grad_norm": 1.0},
          ("pytorch_half_precision.py", "bf16"): {"bn_fp32": True, "loss_scale": 128}}
@@ -115,7 +118,8 @@ def script_case(file: str, precision: str) -> Launch:
     (test_deepspeed_refuses_a_dtype_its_accelerator_lacks), so the engine's fp16 path still runs."""
     s = BY_FILE[file]
     fp32 = precision == "fp32"
-    over = {**({**EQUAL, **AT_3} if fp32 else {"model": HALF_MODEL}), **EXTRA.get((file, precision), {})}
+    half = {"model": HALF_MODEL, **(FP16_STEPS if precision == "fp16" else {})}
+    over = {**({**EQUAL, **AT_3} if fp32 else half), **EXTRA.get((file, precision), {})}
     if "model" in s.preset_args:  # a script for one family (pytorch_TP.py: a ViT, heads split over 2 ranks)
         over = {**({**EQUAL, **VIT_STEPS} if fp32 else VIT_HALF), **VIT}
     if file in DS_CASES:

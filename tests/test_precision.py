@@ -5,6 +5,7 @@ import platform
 import resource
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -121,3 +122,39 @@ def test_a_half_row_says_when_it_ran_reference_kernels(monkeypatch, native):
         notes = flops.Flops("resnet18", 32, prec, [cpu], cpu, throughput=lambda: 1.0).row().get("notes") or ""
         assert (flops.REFERENCE_KERNELS in notes) == (not native and prec != "fp32"), (prec, notes)
         assert not notes or notes.startswith(f"{prec} ran torch's reference kernels")
+
+
+class _Scaler:
+    """A GradScaler's face as ScaledStep sees it, with the overflow flags of each step given."""
+
+    def __init__(self, flags):
+        self.flags = flags
+
+    def scale(self, loss):
+        return loss
+
+    def step(self, optimizer):
+        pass
+
+    def update(self):
+        pass
+
+    def is_enabled(self):
+        return True
+
+    def _found_inf_per_device(self, optimizer):
+        return {f"device{i}": torch.tensor(f) for i, f in enumerate(self.flags)}
+
+
+@pytest.mark.parametrize("flags, skipped", [
+    ([0.0], 0), ([1.0], 1),
+    ([2.0], 1),  # ShardedGradScaler at 2 ranks, both overflowed: its all-reduce sums the flags
+    ([0.0, 1.0], 1),  # a model over two devices, one device's gradients overflowed
+    ([1.0, 1.0], 1),
+])
+def test_a_skipped_step_counts_once_whatever_found_it(flags, skipped):
+    optimizer, scheduler = SimpleNamespace(zero_grad=lambda set_to_none: None), SimpleNamespace(step=lambda: None)
+    step = precision.ScaledStep(SimpleNamespace(clip_grad_norm=0), None, optimizer, scheduler, _Scaler(flags))
+    for _ in range(3):
+        step.step()
+    assert step.skipped_steps() == 3 * skipped

@@ -14,6 +14,7 @@ from launches import HALF_MODEL, precisions_run
 from test_comm import ddp_calls_per_step
 from test_memory import check_model_state
 
+from common.config import TrainConfig
 from common.registry import BY_FILE, SCRIPTS
 from common.results import COLUMNS
 
@@ -33,7 +34,10 @@ def check_row(row, script, world, precision, steps=4):
     assert row["script"] == script and row["status"] == "ok", (row["status"], row["error"])
     assert int(row["world_size"]) == world and list(row) == COLUMNS
     assert int(row["test_samples"]) == 37  # 37 divides by neither 2 nor 3: nothing dropped or doubled
-    assert int(row["steps"]) == steps and int(row["timed_steps"]) == steps - 1  # one warm-up step outside the window
+    # one warm-up step outside the window; at several ranks the --comm-steps profiled after it too, unless no
+    # other steps are left (common/train.py)
+    profiled = TrainConfig.comm_steps if world > 1 and steps - 1 > TrainConfig.comm_steps else 0
+    assert int(row["steps"]) == steps and int(row["timed_steps"]) == steps - 1 - profiled
     assert float(row["train_time_s"]) > 0 and float(row["throughput_img_s"]) > 0
     assert math.isfinite(float(row["train_loss"])) and 0 <= float(row["test_accuracy"]) <= 1
     label = row["precision"]
@@ -115,7 +119,8 @@ def test_every_script_and_precision(runs, entry, precision):
         want = pp_bytes_per_step("resnet18", 32, int(row["global_batch_size"]))
         assert float(row["comm_bytes_per_step"]) == want, row["comm_bytes_per_step"]
     if precision == "fp16" and entry.file != "pytorch_half_precision.py":
-        assert row["skipped_steps"] != ""  # a GradScaler (or DeepSpeed's loss scaler) ran and was counted
+        # a GradScaler (or DeepSpeed's loss scaler) ran, was counted, and let some steps update the weights
+        assert 0 <= int(row["skipped_steps"]) < int(row["steps"]), (row["skipped_steps"], row["steps"])
     load_bare(r.final(), row["model"], int(row["image_size"]))
 
 
