@@ -279,7 +279,8 @@ def test_collectives_benchmark_runs(cold, tmp_path):
     assert [ln.split()[0] for ln in lines] == ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send",
                                               *(["meeting:"] if cold else [])]
     got = json.loads(out.read_text())
-    assert ("meet_ms" in got) == bool(cold) and got.get("meet_ms", 0.0) >= 0.0
+    assert ("meet_ms" in got) == bool(cold)
+    assert not cold or got["meet_ms"] > 0  # each meeting is a store round trip: never free
 
 
 def test_a_sub_group_gather_counts_its_own_group():

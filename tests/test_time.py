@@ -1532,6 +1532,7 @@ def test_calibrate_then_a_run_predicts_itself(tmp_path, runs):
     assert float(row["pred_compute_ms"]) == pytest.approx(entry["fwd_ms"] + entry["bwd_ms"], abs=0.01)
     pred, measured = float(row["pred_step_ms"]), float(row["step_ms_p50"])
     assert pred > 0 and float(row["pred_time_error_pct"]) == pytest.approx(100 * (pred - measured) / measured, abs=0.05)
+    assert float(row["pred_img_s"]) == pytest.approx(int(row["global_batch_size"]) / pred * 1e3, rel=1e-3)
     # its components beside the measured ones: one process has no communication, and they add up
     parts = {p: float(row[f"pred_{p}_ms"]) for p in ("data", "compute", "comm_exposed", "optimizer")}
     assert parts["compute"] > 0 and parts["optimizer"] > 0 and parts["comm_exposed"] == 0
