@@ -281,3 +281,25 @@ def test_help_lists_every_subcommand(capsys):
     for name in benchmark.COMMANDS:
         assert name in out
     assert "95% CIs" in out
+
+
+def test_doctor_keeps_every_earlier_results_file(tmp_path):
+    """Each doctor run starts a file of its own: the earlier ones are kept, none overwritten, and a folder given as
+    --results is refused before any work (it would have been moved aside)."""
+    from types import SimpleNamespace
+
+    from common.bench.doctor import doctor, set_aside
+    from common.config import UsageError
+
+    path = tmp_path / "summary.csv"
+    assert set_aside(str(path)) is None
+    for text in ("first", "second", "third"):
+        path.write_text(text)
+        set_aside(str(path))
+    assert not path.exists()
+    kept = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert kept == {"summary.csv.previous": "first", "summary.csv.previous.1": "second",
+                    "summary.csv.previous.2": "third"}
+    with pytest.raises(UsageError, match="a folder"):
+        doctor(SimpleNamespace(results=str(tmp_path)))
+    assert {p.name for p in tmp_path.iterdir()} == set(kept)

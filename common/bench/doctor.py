@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from ..config import PROJECT_ROOT
+from ..config import PROJECT_ROOT, UsageError
 from ..measure.fingerprint import driver_version, nccl_version
 from ..registry import BY_FILE
 from ..results import read_rows
@@ -205,9 +205,24 @@ def _loads(path: str, model: str, image_size: int) -> bool:
         return False
 
 
+def set_aside(path: str) -> str | None:
+    """Each doctor run starts with a file of its own; the earlier one is kept beside it, as NAME.previous, else
+    the first free NAME.previous.N: no earlier file is ever overwritten. Returns where it went (None: none)."""
+    if not os.path.exists(path):
+        return None
+    dest, n = path + ".previous", 0
+    while os.path.lexists(dest):
+        n += 1
+        dest = f"{path}.previous.{n}"
+    os.replace(path, dest)
+    return dest
+
+
 def doctor(opts) -> int:
     from .matrix import hardware, load_matrix, only_of, run_matrix, world_size_runs
 
+    if os.path.isdir(opts.results):  # before any work: set_aside would move the folder
+        raise UsageError(f"--results {opts.results}: a folder; give the CSV file's path")
     print("# environment")
     for key, value in environment():
         print(f"{key:>22}: {value}")
@@ -226,8 +241,9 @@ def doctor(opts) -> int:
         except Exception as exc:  # the DeepSpeed runs will say it again, in their rows
             print(f"failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", flush=True)
     opts.dry_run = False
-    if os.path.exists(opts.results):  # each doctor run starts clean; the earlier file is kept beside it
-        os.replace(opts.results, opts.results + ".previous")
+    kept = set_aside(opts.results)
+    if kept:
+        print(f"\nthe earlier {os.path.basename(opts.results)} is kept as {os.path.basename(kept)}")
     print(f"\n# {opts.preset} preset ({len(runs)} runs), results in {os.path.relpath(opts.results, PROJECT_ROOT)}")
     opts.runs = runs
     run_matrix(opts)
