@@ -118,6 +118,8 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.loader = train_loader
         self.loaded_from = None
+        # what a checkpoint must have been trained with to be resumed here (weights, optimizer state, scaler)
+        self.fits = {"model": cfg.model, "optimizer": cfg.optimizer, "precision": cfg.precision}
 
     # --- the strategy-specific part: override these two ---
     def save_native(self, folder: str) -> None:
@@ -147,7 +149,7 @@ class Checkpointer:
         if global_rank() == 0:
             torch.save({"meta": meta, "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                         "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                        "world_size": dist.get_world_size() if dist.is_initialized() else 1},
+                        "world_size": dist.get_world_size() if dist.is_initialized() else 1, "fits": self.fits},
                        os.path.join(tmp, "run.pt"))
         barrier()
         if global_rank() == 0:
@@ -190,7 +192,13 @@ class Checkpointer:
         if run["world_size"] != world:
             raise UsageError(f"checkpoint {folder} was written by {run['world_size']} processes, this run has "
                              f"{world}: resume with the same world size")
-        self.load_native(folder)
+        self._check_fits(folder, run.get("fits", {}))  # older checkpoints: their load below says what misfits
+        try:
+            self.load_native(folder)
+        except (RuntimeError, KeyError, ValueError) as exc:  # a state_dict of another shape, optimizer, ...
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+            raise UsageError(f"checkpoint {folder} does not fit this run ({why}): resume with the flags it was "
+                             "trained with, or start without --resume") from None
         if self.scheduler is not None and run["scheduler"] is not None:
             self.scheduler.load_state_dict(run["scheduler"])
         if self.scaler is not None and run["scaler"] is not None:
@@ -198,6 +206,13 @@ class Checkpointer:
         set_rng_state(_load(os.path.join(folder, f"rng_rank{global_rank()}.pt")), self.loader)
         self.loaded_from = folder
         return run["meta"]
+
+
+    def _check_fits(self, folder: str, saved: dict) -> None:
+        diff = [f"--{k.replace('_', '-')} {saved[k]}" for k in self.fits if k in saved and saved[k] != self.fits[k]]
+        if diff:
+            raise UsageError(f"checkpoint {folder} was trained with {', '.join(diff)}: resume with the same flags, "
+                             "or start without --resume")
 
 
 class ZeroCheckpointer(Checkpointer):

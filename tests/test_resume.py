@@ -9,6 +9,7 @@ import time
 
 import helpers
 import pytest
+import torch
 from helpers import check_ok, hold_port, one_line_error, release_port, rows, run, tiny_args
 
 SCRIPTS = ["accelerate_DeepSpeed.py", "pytorch_DDP_ZeRO.py", "pytorch_FSDP.py", "pytorch_DeepSpeed.py"]
@@ -101,6 +102,15 @@ def test_resume_path_missing_or_corrupt(tmp_path):
     assert "no checkpoint there" in one_line_error(proc)
     check_ok(run("pytorch_SingleGPU.py", tiny_args(tmp_path, epochs=1)))
     folder = tmp_path / "ckpt" / "pytorch_SingleGPU" / "resume" / "epoch1"
+    # a checkpoint of other flags, refused before it is loaded; one written before checkpoints said their flags,
+    # refused by its load
+    for over, why in (({"model": "resnet34"}, "trained with --model resnet18"),
+                      ({"optimizer": "adamw"}, "trained with --optimizer sgd")):
+        assert why in one_line_error(run("pytorch_SingleGPU.py", tiny_args(tmp_path, resume="auto", epochs=2, **over)))
+    state = torch.load(folder / "run.pt", weights_only=False)
+    torch.save({k: v for k, v in state.items() if k != "fits"}, folder / "run.pt")
+    proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path, resume="auto", epochs=2, model="resnet34"))
+    assert "does not fit this run (Error(s) in loading state_dict for ResNet" in one_line_error(proc)
     (folder / "native.pt").write_bytes(b"truncated")
     proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path, resume="auto", epochs=2))
     assert "is corrupt" in one_line_error(proc)
