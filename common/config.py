@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -197,6 +198,8 @@ def validate(cfg: EvalConfig) -> EvalConfig:
         choices, low = f.metadata.get("choices"), f.metadata.get("min")
         if choices and value not in choices:
             raise UsageError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):  # nan passes every comparison below
+            raise UsageError(f"{f.name} must be a finite number; got {value!r}")
         if low is not None and value < low:
             raise UsageError(f"{f.name} must be >= {low}; got {value!r}")
     return cfg

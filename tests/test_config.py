@@ -32,12 +32,20 @@ def test_defaults_are_the_articles_setup():
     ("optimizer: lamb\n", ["optimizer must be one of sgd, adamw"]),
     ("[1, 2]\n", ["must be a mapping"]),
     ("epochs: [\n", ["not valid YAML"]),
+    ("lr: .nan\n", ["lr must be a finite number; got nan"]),  # nan passes every >= check
 ])
 def test_bad_yaml(tmp_path, text, words):
     with pytest.raises(UsageError) as exc:
         parse_config(TrainConfig, argv=["--config", write(tmp_path, text)])
     for w in words:
         assert w in str(exc.value)
+
+
+@pytest.mark.parametrize("flags", [["--lr", "nan"], ["--lr", "inf"], ["--weight-decay", "nan"],
+                                   ["--clip-grad-norm", "inf"]])
+def test_a_number_that_is_not_finite_is_refused(flags):
+    with pytest.raises(UsageError, match=f"{flags[0][2:].replace('-', '_')} must be a finite number"):
+        parse_config(TrainConfig, argv=flags)
 
 
 def test_precision_restricted_per_script():
