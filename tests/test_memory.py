@@ -185,6 +185,10 @@ ADVISE_BAD = [
     (["advise", "--gpu-memory-gib", "0"], "--gpu-memory-gib must be > 0"),
     (["advise", "--gpu-memory-gib", "24", "--gpus", "3"], "does not divide by --gpus 3"),
     (["advise", "--gpu-memory-gib", "24", "--model", "nonet"], "unknown model 'nonet'"),
+    (["advise", "--gpu", "NVIDIA H100 80GB HBM3", "--gpus", "8", "--gpus-per-node", "3", "--batch-size", "96"],
+     "--gpus 8 spans nodes of --gpus-per-node 3: a whole number of them"),
+    (["advise", "--gpu", "NVIDIA H100 80GB HBM3", "--interconnect", "nvlink4", "--busbw-gbps", "100"],
+     "--interconnect and --busbw-gbps both name the link"),
     # refused before the compute entries' minutes, not after them
     (["calibrate", "--preset", "smoke", "--link-max-bytes", "64Q"], "--link-max-bytes '64Q': a size of at least 16K"),
     (["calibrate", "--preset", "smoke", "--link-min-bytes", "1G"], "--link-min-bytes '1G': a size from 256 up to"),

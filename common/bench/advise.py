@@ -76,6 +76,8 @@ def check(opts) -> None:
     opts.gpus = opts.gpu_counts[-1]
     if opts.gpu and opts.gpu not in gpu_names():
         raise UsageError(f"--gpu {opts.gpu!r} is not in the datasheet table; one of: {', '.join(gpu_names())}")
+    if opts.interconnect and getattr(opts, "busbw_gbps", 0):  # one link or the other: link_for took the bus width
+        raise UsageError("--interconnect and --busbw-gbps both name the link: give one")
     if opts.interconnect and opts.interconnect not in LINKS:
         raise UsageError(f"--interconnect {opts.interconnect!r} unknown; one of: {', '.join(LINKS)}")
     if opts.inter_node not in ("ib200", "ib400"):
@@ -106,9 +108,12 @@ def check(opts) -> None:
     opts.precision = "fp32" if opts.tf32 else opts.precision
     if opts.optimizer not in ("sgd", "adamw"):
         raise UsageError(f"--optimizer must be sgd or adamw; got {opts.optimizer!r}")
+    per_node = getattr(opts, "gpus_per_node", 0)
     for g in opts.gpu_counts:
         if opts.batch_size % g:
             raise UsageError(f"--batch-size {opts.batch_size} does not divide by --gpus {g}")
+        if per_node and g > per_node and g % per_node:
+            raise UsageError(f"--gpus {g} spans nodes of --gpus-per-node {per_node}: a whole number of them")
 
 
 def setups(opts) -> list[Setup]:
