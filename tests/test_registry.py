@@ -171,3 +171,18 @@ def test_a_row_the_matrix_records_for_a_run_is_labelled_as_the_runner_labels(tmp
     assert got == ["amp_bf16", "fp32"], got
     assert registry.BY_FILE["pytorch_half_precision.py"].labelled("fp16+bn32") == "pure_fp16+bn32"
     assert registry.BY_FILE["accelerate_DDP.py"].labelled("bf16") == "bf16"  # accelerate's: as given
+
+
+@pytest.mark.parametrize("preset, run, shown", [
+    ("timeout_s: abc", "", "'abc'"), ("timeout_s: 0", "", "0"), ("timeout_s: .inf", "", "inf"),
+    ("", ", timeout_s: true", "True"),
+])
+def test_a_timeout_that_is_not_seconds_is_refused_as_the_matrix_loads(tmp_path, preset, run, shown):
+    """Refused with the file, before any run (a run's clock compared it with a number: a traceback)."""
+    from common.config import UsageError
+
+    path = tmp_path / "m.yaml"
+    path.write_text(f"presets:\n  p:\n    {preset}\n    runs: [{{script: pytorch_SingleGPU.py{run}}}]\n")
+    want = f"p/pytorch_SingleGPU's timeout_s must be a number of seconds > 0; got {shown}"
+    with pytest.raises(UsageError, match=want):
+        matrix.load_matrix(str(path), "p", None, gpus=0)

@@ -10,6 +10,7 @@ kernels for (oneDNN's reference kernels take 30-70x fp32's time: the smoke prese
 """
 from __future__ import annotations
 
+import math
 import os
 import queue
 import re
@@ -114,12 +115,15 @@ def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_
         names.add(name)
         args = {**spec.get("args", {}), **run.get("args", {}), **run.get("gpu_args" if gpus else "cpu_args", {}),
                 **({"save_dir": save_dir} if save_dir else {})}
+        timeout = run.get("timeout_s", spec.get("timeout_s", 3600))
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise UsageError(f"{path}: {name}'s timeout_s must be a number of seconds > 0; got {timeout!r}")
         emulated = _emulated_half(spec, script, args, gpus)
         args.update(emulated)
         runs.append({"name": name, "script": script, "args": args, "nproc": processes(script, gpus),
                      "emulated_half": bool(emulated),
                      "gpu_only": run.get("gpu_only", False) or BY_FILE[script].needs_cuda,
-                     "timeout_s": run.get("timeout_s", spec.get("timeout_s", 3600))})
+                     "timeout_s": timeout})
     if only:
         unknown = set(only) - {r["script"] for r in runs} - {r["name"].split("/", 1)[1] for r in runs}
         if unknown:
