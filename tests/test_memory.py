@@ -195,6 +195,11 @@ ADVISE_BAD = [
     (["calibrate", "--preset", "smoke", "--device", "cpu", "--modes", "fp32,tf32"], "--modes tf32: TF32 is a CUDA"),
     (["calibrate", "--preset", "smoke", "--relaunch-busy", "-1"], "--relaunch-busy -1: 0 or more"),
     (["calibrate", "--preset", "smoke", "--workers", "-1"], "--workers -1: 0 or more"),
+    (["calibrate", "--preset", "smoke", "--microbatches", "-1"], "--microbatches -1: 0 (no pipeline) or more"),
+    (["calibrate", "--preset", "smoke", "--modes", ","], "--modes ',': at least one of fp32"),
+    (["calibrate", "--preset", "smoke", "--world-sizes", "2", "--batch-size", "33"],
+     "--batch-size 33 does not divide by --world-sizes 2"),
+    (["calibrate", "--preset", "smoke", "--world-sizes", "1,4096"], "--world-sizes 4096: this machine has"),
 ]
 
 

@@ -567,6 +567,11 @@ def _plan(opts):
         raise UsageError("--modes tf32: TF32 is a CUDA math mode; on a CPU an fp32 entry prices a --tf32 run")
     p.device = torch.device("cuda", 0) if p.cuda else torch.device("cpu")
     p.worlds = _worlds(opts, p.cuda)
+    if not p.modes:
+        raise UsageError(f"--modes {opts.modes!r}: at least one of {', '.join(MODES)}")
+    for n in p.worlds:  # the scripts refuse a global batch their ranks cannot split evenly
+        if p.batch % n:
+            raise UsageError(f"--batch-size {p.batch} does not divide by --world-sizes {n}")
     _check_counts(opts)
     _check_out(opts.out)
     p.workers = loader_workers(opts.workers, args, p.cuda)
@@ -585,6 +590,10 @@ def _worlds(opts, cuda: bool) -> list[int]:
         raise UsageError(f"--world-sizes {opts.world_sizes!r}: comma-separated integers") from None
     if min(worlds) < 1:
         raise UsageError("--world-sizes: every size must be >= 1")
+    # one rank a GPU; on a CPU one a core at least, or the ranks' timings are each other's
+    cap, what = (torch.cuda.device_count(), "GPUs") if cuda else (os.cpu_count() or 1, "cores")
+    if max(worlds) > cap:
+        raise UsageError(f"--world-sizes {max(worlds)}: this machine has {cap} {what}")
     return worlds
 
 
@@ -609,6 +618,8 @@ def _check_counts(opts) -> None:
         raise UsageError(f"--repeats {opts.repeats}: at least 1 launch")
     if opts.relaunch_busy < 0:
         raise UsageError(f"--relaunch-busy {opts.relaunch_busy}: 0 or more")
+    if opts.microbatches < 0:
+        raise UsageError(f"--microbatches {opts.microbatches}: 0 (no pipeline) or more")
 
 
 def _compute_jobs(opts, p, n: int, procs: int, threads: int) -> tuple[list, dict, dict]:
