@@ -89,6 +89,9 @@ def cmd_report(opts) -> int:
     reference = os.path.join(ROOT, "results", "reference.csv")
     if not os.path.isfile(opts.results):  # never an existing report rewritten as "No runs yet" from a typo
         raise UsageError(f"results file not found: {opts.results} (run a preset first, or name the CSV)")
+    if getattr(opts, "readme", None) and not os.path.isdir(opts.campaigns):  # its table would be emptied
+        raise UsageError(f"--campaigns {opts.campaigns}: no such folder (the campaign folders the README's table "
+                         "is filled from)")
     path = write_report(opts.results, opts.report, reference)
     print(f"report: {os.path.relpath(path, ROOT)}")
     if getattr(opts, "readme", None):

@@ -303,3 +303,20 @@ def test_doctor_keeps_every_earlier_results_file(tmp_path):
     with pytest.raises(UsageError, match="a folder"):
         doctor(SimpleNamespace(results=str(tmp_path)))
     assert {p.name for p in tmp_path.iterdir()} == set(kept)
+
+
+def test_report_refuses_a_campaigns_folder_that_is_not_there(tmp_path):
+    """`report --readme --campaigns TYPO` emptied the README's results table; refused before anything is written."""
+    from types import SimpleNamespace
+
+    import benchmark
+    from common.config import UsageError
+
+    (tmp_path / "s.csv").write_text("")
+    readme = tmp_path / "README.md"
+    readme.write_text("kept")
+    opts = SimpleNamespace(results=str(tmp_path / "s.csv"), report=str(tmp_path / "REPORT.md"), readme=str(readme),
+                           campaigns=str(tmp_path / "nowhere"))
+    with pytest.raises(UsageError, match="--campaigns .*nowhere: no such folder"):
+        benchmark.cmd_report(opts)
+    assert readme.read_text() == "kept" and sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "s.csv"]
