@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import yaml
@@ -247,4 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # stopped by SIGTERM (timeout, scancel, a CI's kill), the harness stops its launches as Ctrl-C does: they run
+    # in sessions of their own (common/bench/matrix.py execute, calibrate.py _wait_all)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     sys.exit(main())

@@ -1,5 +1,6 @@
 """benchmark.py: the smoke preset end to end, failures recorded, reruns skipped, report from bad CSVs."""
 import os
+import signal
 import subprocess
 import sys
 
@@ -22,6 +23,59 @@ def bench(tmp_path, *args, timeout=900):
                            "--report", str(tmp_path / "REPORT.md"), "--log-dir", str(tmp_path / "logs"),
                            "--save-dir", str(tmp_path / "ckpt"), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _running(marker: str) -> list[int]:
+    """The processes whose command line holds marker."""
+    out = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if marker.encode() in fh.read():
+                    out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+@pytest.mark.slow
+def test_a_stopped_matrix_stops_its_launch(tmp_path):
+    """The launches run in sessions of their own (a timeout kills the whole session): stopped by SIGTERM (timeout,
+    scancel; Ctrl-C takes the same path), benchmark.py stops torchrun and its ranks instead of leaving them
+    training. A run that prints dies of its closed pipe at its next line, so this one is stopped inside 1000 quiet
+    steps: no progress lines, no profiler, past its start-up (6 s of CPU a rank)."""
+    import time
+
+    matrix, marker = tmp_path / "m.yaml", str(tmp_path / "ckpt")
+    matrix.write_text("presets:\n  t:\n    args: {dataset: synthetic, pretrained: false, model: resnet18, "
+                      "image_size: 32, epochs: 1, batch_size: 16, train_samples: 16000, workers: 0, log_every: 0, "
+                      "comm_steps: 0, loader_probe_batches: 0}\n    runs: [{script: pytorch_DDP.py}]\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen([sys.executable, "benchmark.py", "--preset", "t", "--matrix", str(matrix),
+                             "--results", str(tmp_path / "s.csv"), "--log-dir", str(tmp_path / "logs"),
+                             "--save-dir", marker, "--report", str(tmp_path / "R.md")],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks, deadline = [], time.time() + 180
+    while time.time() < deadline and not (len(ranks) == 2 and min(map(_cpu_s, ranks)) > 6):
+        ranks = [p for p in _running(marker) if "pytorch_DDP.py" in open(f"/proc/{p}/cmdline").read()
+                 and "torchrun" not in open(f"/proc/{p}/cmdline").read()]
+        time.sleep(0.5)
+    assert len(ranks) == 2 and proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    deadline = time.time() + 20
+    while _running(marker) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _running(marker) == []
 
 
 @pytest.mark.beside

@@ -277,27 +277,45 @@ def execute(run: dict, i: int, n: int, gpus: int, results: str, log_dir: str, t0
         q: queue.Queue = queue.Queue()
         threading.Thread(target=_reader, args=(proc.stdout, q), daemon=True).start()
         timed_out = False
-        while True:
-            try:
-                line = q.get(timeout=1.0)
-            except queue.Empty:
-                line = ""
-            if line is None:
-                break
-            if line:
-                log.write(line)
-                lines = (lines + [line])[-200:]
-                if line.startswith(PROGRESS):
-                    print(f"    {time.time() - start:6.0f}s run, {time.time() - t0:6.0f}s total | "
-                          f"{line[len(PROGRESS):].rstrip()}", flush=True)
-            if time.time() - start > run["timeout_s"] and not timed_out:
-                timed_out = True
-                os.killpg(proc.pid, signal.SIGTERM)
-                threading.Timer(10, lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGKILL)).start()
+        try:
+            while True:
+                try:
+                    line = q.get(timeout=1.0)
+                except queue.Empty:
+                    line = ""
+                if line is None:
+                    break
+                if line:
+                    log.write(line)
+                    lines = (lines + [line])[-200:]
+                    if line.startswith(PROGRESS):
+                        print(f"    {time.time() - start:6.0f}s run, {time.time() - t0:6.0f}s total | "
+                              f"{line[len(PROGRESS):].rstrip()}", flush=True)
+                if time.time() - start > run["timeout_s"] and not timed_out:
+                    timed_out = True
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    threading.Timer(10, lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGKILL)).start()
+        except BaseException:  # Ctrl-C, or SIGTERM (benchmark.py): the run's own session would not see it
+            stop(proc)
+            raise
         code = proc.wait()
     status = "timeout" if timed_out else ("ok" if code == 0 else EXIT_STATUS.get(code, "failed"))
     print(f"    -> {status} in {time.time() - start:.0f}s (log: {os.path.relpath(log_path, PROJECT_ROOT)})", flush=True)
     return code, status, lines, read_figures(figures)
+
+
+def stop(proc, grace_s: float = 10) -> None:
+    """A launch and every process of its session: SIGTERM (torchrun and deepspeed pass it to their ranks), then
+    SIGKILL after grace_s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(grace_s)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def record_missing(run: dict, status: str, error: str, results: str, gpus: int) -> None:
