@@ -118,8 +118,9 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.loader = train_loader
         self.loaded_from = None
-        # what a checkpoint must have been trained with to be resumed here (weights, optimizer state, scaler)
-        self.fits = {"model": cfg.model, "optimizer": cfg.optimizer, "precision": cfg.precision}
+        # what a checkpoint must have been trained with to be resumed here: its weights' and optimizer state's
+        # shapes (a precision may change: the scaler's state is loaded only where both runs have one)
+        self.fits = {"model": cfg.model, "optimizer": cfg.optimizer}
 
     # --- the strategy-specific part: override these two ---
     def save_native(self, folder: str) -> None:
@@ -192,9 +193,11 @@ class Checkpointer:
         if run["world_size"] != world:
             raise UsageError(f"checkpoint {folder} was written by {run['world_size']} processes, this run has "
                              f"{world}: resume with the same world size")
-        self._check_fits(folder, run.get("fits", {}))  # older checkpoints: their load below says what misfits
+        self._check_fits(folder, run.get("fits", {}))  # earlier versions' checkpoints have none
         try:
             self.load_native(folder)
+        except (torch.OutOfMemoryError, dist.DistError):  # the run's own failure (an oom row, exit 4), not the file's
+            raise
         except (RuntimeError, KeyError, ValueError) as exc:  # a state_dict of another shape, optimizer, ...
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
             raise UsageError(f"checkpoint {folder} does not fit this run ({why}): resume with the flags it was "

@@ -85,7 +85,7 @@ def test_a_script_refuses_a_path_it_cannot_use_before_training(tmp_path, flags, 
     flags = [str(afile) if f == "FILE" else f for f in flags]
     args = ["--device", "cpu", "--dataset", "synthetic", "--no-pretrained", "--model", "resnet18", "--image-size",
             "32", "--batch-size", "8", "--train-samples", "16", "--test-samples", "8",
-            "--results", str(tmp_path / "s.csv"), *flags]
+            "--results", str(tmp_path / "s.csv"), "--save-dir", str(tmp_path / "ckpt"), *flags]
     proc = subprocess.run([sys.executable, "pytorch_SingleGPU.py", *args], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=300)
     assert word in one_line_error(proc)

@@ -352,15 +352,16 @@ def test_doctor_keeps_every_earlier_results_file(tmp_path):
         set_aside(str(path))
     assert not path.exists()
     kept = {p.name: p.read_text() for p in tmp_path.iterdir()}
-    assert kept == {"summary.csv.previous": "first", "summary.csv.previous.1": "second",
-                    "summary.csv.previous.2": "third"}
+    assert kept == {"summary.csv.previous": "third", "summary.csv.previous.1": "second",
+                    "summary.csv.previous.2": "first"}
     with pytest.raises(UsageError, match="a folder"):
         doctor(SimpleNamespace(results=str(tmp_path)))
     assert {p.name for p in tmp_path.iterdir()} == set(kept)
 
 
 def test_report_refuses_a_campaigns_folder_that_is_not_there(tmp_path):
-    """`report --readme --campaigns TYPO` emptied the README's results table; refused before anything is written."""
+    """`report --readme --campaigns TYPO` would empty the README's results table: refused before anything is
+    written."""
     from types import SimpleNamespace
 
     import benchmark

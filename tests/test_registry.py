@@ -178,7 +178,7 @@ def test_a_row_the_matrix_records_for_a_run_is_labelled_as_the_runner_labels(tmp
     ("", ", timeout_s: true", "True"),
 ])
 def test_a_timeout_that_is_not_seconds_is_refused_as_the_matrix_loads(tmp_path, preset, run, shown):
-    """Refused with the file, before any run (a run's clock compared it with a number: a traceback)."""
+    """Refused with the file, before any run, not by the run's clock."""
     from common.config import UsageError
 
     path = tmp_path / "m.yaml"

@@ -76,7 +76,7 @@ def check(opts) -> None:
     opts.gpus = opts.gpu_counts[-1]
     if opts.gpu and opts.gpu not in gpu_names():
         raise UsageError(f"--gpu {opts.gpu!r} is not in the datasheet table; one of: {', '.join(gpu_names())}")
-    if opts.interconnect and getattr(opts, "busbw_gbps", 0):  # one link or the other: link_for took the bus width
+    if opts.interconnect and getattr(opts, "busbw_gbps", 0):  # one link or the other (link_for prices one)
         raise UsageError("--interconnect and --busbw-gbps both name the link: give one")
     if opts.interconnect and opts.interconnect not in LINKS:
         raise UsageError(f"--interconnect {opts.interconnect!r} unknown; one of: {', '.join(LINKS)}")

@@ -566,12 +566,9 @@ def _plan(opts):
     if "tf32" in p.modes and not p.cuda:
         raise UsageError("--modes tf32: TF32 is a CUDA math mode; on a CPU an fp32 entry prices a --tf32 run")
     p.device = torch.device("cuda", 0) if p.cuda else torch.device("cpu")
-    p.worlds = _worlds(opts, p.cuda)
+    p.worlds = _worlds(opts, p.cuda, p.batch)
     if not p.modes:
         raise UsageError(f"--modes {opts.modes!r}: at least one of {', '.join(MODES)}")
-    for n in p.worlds:  # the scripts refuse a global batch their ranks cannot split evenly
-        if p.batch % n:
-            raise UsageError(f"--batch-size {p.batch} does not divide by --world-sizes {n}")
     _check_counts(opts)
     _check_out(opts.out)
     p.workers = loader_workers(opts.workers, args, p.cuda)
@@ -580,20 +577,31 @@ def _plan(opts):
     return p
 
 
-def _worlds(opts, cuda: bool) -> list[int]:
+def _worlds(opts, cuda: bool, batch: int) -> list[int]:
+    """--world-sizes, each refused where this machine or the batch cannot run it; by default 1 and the whole
+    machine (2 ranks on a CPU), those of them it can."""
     import torch
 
+    # one rank a GPU; on a CPU one a core at least, or the ranks' timings are each other's
+    cap, what = (torch.cuda.device_count(), "GPUs") if cuda else (os.cpu_count() or 1, "cores")
+    if not opts.world_sizes:
+        worlds = sorted({1, cap if cuda else 2})
+        left = [n for n in worlds if n > cap or batch % n]
+        if left:
+            print(f"calibrate: world size {', '.join(map(str, left))} left out (this machine has {cap} {what}; "
+                  f"batch {batch})", flush=True)
+        return [n for n in worlds if n not in left]
     try:
-        worlds = [int(w) for w in opts.world_sizes.split(",")] if opts.world_sizes else \
-            sorted({1, torch.cuda.device_count()} if cuda else {1, 2})
+        worlds = [int(w) for w in opts.world_sizes.split(",")]
     except ValueError:
         raise UsageError(f"--world-sizes {opts.world_sizes!r}: comma-separated integers") from None
     if min(worlds) < 1:
         raise UsageError("--world-sizes: every size must be >= 1")
-    # one rank a GPU; on a CPU one a core at least, or the ranks' timings are each other's
-    cap, what = (torch.cuda.device_count(), "GPUs") if cuda else (os.cpu_count() or 1, "cores")
     if max(worlds) > cap:
         raise UsageError(f"--world-sizes {max(worlds)}: this machine has {cap} {what}")
+    for n in worlds:  # the scripts refuse a global batch their ranks cannot split evenly
+        if batch % n:
+            raise UsageError(f"--batch-size {batch} does not divide by --world-sizes {n}")
     return worlds
 
 

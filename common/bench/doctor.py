@@ -206,16 +206,18 @@ def _loads(path: str, model: str, image_size: int) -> bool:
 
 
 def set_aside(path: str) -> str | None:
-    """Each doctor run starts with a file of its own; the earlier one is kept beside it, as NAME.previous, else
-    the first free NAME.previous.N: no earlier file is ever overwritten. Returns where it went (None: none)."""
+    """Each doctor run starts with a file of its own; the earlier ones are kept beside it, rotated as logs are:
+    NAME.previous the last, NAME.previous.1 the one before, and so on; none is overwritten. Returns where the
+    file went (None: there was none)."""
     if not os.path.exists(path):
         return None
-    dest, n = path + ".previous", 0
-    while os.path.lexists(dest):
-        n += 1
-        dest = f"{path}.previous.{n}"
-    os.replace(path, dest)
-    return dest
+    older = [path + ".previous"]
+    while os.path.lexists(older[-1]):
+        older.append(f"{path}.previous.{len(older)}")
+    for dest, src in zip(older[::-1], older[-2::-1]):  # the free name first: each file one place older
+        os.replace(src, dest)
+    os.replace(path, older[0])
+    return older[0]
 
 
 def doctor(opts) -> int:
