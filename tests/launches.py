@@ -78,9 +78,10 @@ VIT_EQUAL = {**EQUAL, **VIT, **VIT_STEPS}
 VIT_SPLIT = {**VIT_EQUAL, "epoch_checkpoints": False}  # 86M parameters: no epoch checkpoint of a split model
 # ... in half precision 4 steps of 4: where the half kernels are emulated, a step of 16 would take seconds
 VIT_HALF = {"batch_size": 4, "train_samples": 16}
-# ... and in fp16 8 steps of 16: the loss scalers start at 2^16 (torch.amp.GradScaler's init_scale; the JSONs'
-# initial_scale_power 16, hysteresis 2) and skip their first 4-5 steps for overflow here, so 4 would update nothing
-FP16_STEPS = {"train_samples": 128}
+# ... and in fp16 24 steps of 16: the loss scalers start at 2^16 (torch.amp.GradScaler's init_scale; the JSONs'
+# initial_scale_power 16, hysteresis 2) and skip their first steps for overflow, 4 at 32 px and 8 at 16 px
+# (helpers.half_size) for GradScaler, one more for DeepSpeed's hysteresis: 4 steps would update nothing
+FP16_STEPS = {"train_samples": 384}
 # flags some cases add, so that the option's path runs somewhere
 EXTRA = {("pytorch_auto_mixed_precision.py", "fp16"): {"clip_grad_norm": 1.0},
          ("pytorch_half_precision.py", "bf16"): {"bn_fp32": True, "loss_scale": 128}}
