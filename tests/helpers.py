@@ -191,8 +191,8 @@ def _pair_worker(rank, world, port, queue):
         queue.put((rank, repr(exc)))
 
 
-# The full suite's peak under its basetemp: 3.7 GiB at 569d784 (results/campaigns/2026-11-28_xeon-amx_suite_b,
-# disk_569d784.log), most of it the shared launches' checkpoints (each vit_b_16 launch's final weights are 343 MB)
+# The full suite's peak under its basetemp: 3.7 GiB (results/campaigns/2026-11-28_xeon-amx_suite_b, its disk log),
+# most of it the shared launches' checkpoints (each vit_b_16 launch's final weights are 343 MB)
 SUITE_DISK_GIB = 5
 
 
