@@ -280,7 +280,9 @@ def test_collectives_benchmark_runs(cold, tmp_path):
                                               *(["meeting:"] if cold else [])]
     got = json.loads(out.read_text())
     assert ("meet_ms" in got) == bool(cold)
-    assert not cold or got["meet_ms"] > 0  # each meeting is a store round trip: never free
+    if cold:  # what a meeting adds beyond the aligned call, clamped at 0 (_meet): 0 where the two are alike
+        printed = float(lines[-1].split()[1])
+        assert 0 <= got["meet_ms"] < 1000 and printed == pytest.approx(got["meet_ms"], abs=6e-4), (printed, got)
 
 
 def test_a_sub_group_gather_counts_its_own_group():
