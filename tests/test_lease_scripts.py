@@ -51,6 +51,10 @@ print(sorted(p for p in nvidia.__path__))
 
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 # stands in for the device's python: a training script appends its --run-name to its --results file
+# a run that outlives its call (in a session of its own, as the matrix starts them): once, where STRAY names a file
+if [ "$1" = -m ] && [ -n "${STRAY:-}" ] && [ ! -e "$STRAY" ]; then
+  setsid sleep 300 > /dev/null 2>&1 & echo $! > "$STRAY"
+fi
 case "$1" in -c|-m) exit 0;; esac
 results=""; name=""
 while [ $# -gt 0 ]; do case "$1" in --results) results=$2;; --run-name) name=$2;; esac; shift; done
@@ -59,14 +63,15 @@ exit 0
 """
 
 
-def _lease(tmp_path, part: str, deadline_s: int, peer: str = "no_peer") -> tuple[subprocess.CompletedProcess, str, str]:
+def _lease(tmp_path, part: str, deadline_s: int, peer: str = "no_peer",
+           extra: dict | None = None) -> tuple[subprocess.CompletedProcess, str, str]:
     bin_dir, out, work = tmp_path / "bin", tmp_path / "out", tmp_path / "work"
     bin_dir.mkdir()
     for name, text in (("python", FAKE_PYTHON), ("nvidia-smi", "#!/bin/sh\necho fake GPU\n")):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "WORK": str(work),
-           "DEADLINE_S": str(deadline_s), "PEER": str(tmp_path / peer)}
+           "DEADLINE_S": str(deadline_s), "PEER": str(tmp_path / peer), **(extra or {})}
     proc = subprocess.run(["bash", os.path.join(GPU_DIR, "run.sh"), part], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60)
     return proc, str(out), str(work)
@@ -115,6 +120,36 @@ def test_part_2_says_what_it_skipped_in_the_files_that_come_back(tmp_path):
     (tmp_path / "short").mkdir()
     proc, out, _ = _lease(tmp_path / "short", "2", 30)
     assert "gpu tier skipped" in open(os.path.join(out, "gpu_tier.txt")).read()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_part_2_stops_the_runs_it_started_and_no_other(tmp_path):
+    """After the what-if check, part 2 ends what that check left running (the matrix's runs are in sessions of
+    their own): those it started, and not a training run of the same script name beside it, which a pattern
+    on command lines ended (the suite's own shared launches, when this test ran beside them)."""
+    stray = tmp_path / "stray.pid"
+    beside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "pytorch_SingleGPU.py",
+                               "benchmark.py", "run"])
+    try:
+        proc, out, _ = _lease(tmp_path, "2", 300, extra={"STRAY": str(stray)})
+        assert proc.returncode == 0, proc.stderr
+        assert beside.poll() is None, f"part 2 stopped a process it did not start (exit {beside.returncode})"
+        pid = int(stray.read_text())
+        assert _gone(pid), f"the run part 2 started, {pid}, still runs"
+    finally:
+        beside.kill()
+        beside.wait()
+    try:
+        os.waitpid(pid, os.WNOHANG)  # the suite is the subreaper (tests/conftest.py): the stopped run is its zombie
+    except ChildProcessError:
+        pass
 
 
 def test_the_peer_summary_takes_whole_accumulation_cycles_after_the_warm_up(tmp_path):
