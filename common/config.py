@@ -31,10 +31,12 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line, exit code 2, nothing written to results."""
 
 
-def opt(default, help, choices=None, min=None, hidden=False):
-    """A config field. hidden: set by the harness (benchmark.py, calibrate), not typed by users: accepted,
-    but left out of --help (docs/configuration.md lists them)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "min": min, "hidden": hidden})
+def opt(default, help, choices=None, min=None, max=None, below=None, hidden=False):
+    """A config field; min and max bound it inclusively, below exclusively. hidden: set by the harness
+    (benchmark.py, calibrate), not typed by users: accepted, but left out of --help (docs/configuration.md
+    lists them)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "min": min, "max": max,
+                                            "below": below, "hidden": hidden})
 
 
 @dataclass
@@ -86,7 +88,7 @@ class TrainConfig(EvalConfig):
     batch_size: int = opt(128, "GLOBAL batch per optimizer step, images (split over ranks and --grad-accum)", min=1)
     grad_accum: int = opt(1, "micro-batches accumulated per optimizer step", min=1)
     lr: float = opt(0.01, "peak learning rate", min=0.0)
-    momentum: float = opt(0.9, "SGD momentum (AdamW: beta1)", min=0.0)
+    momentum: float = opt(0.9, "SGD momentum (AdamW: beta1)", min=0.0, below=1.0)  # torch's AdamW: beta1 < 1
     weight_decay: float = opt(5e-4, "weight decay (decoupled for AdamW)", min=0.0)
     optimizer: str = opt("sgd", "optimizer", choices=("sgd", "adamw"))
     scheduler: str = opt("cosine", "learning-rate schedule after warm-up", choices=("cosine", "none"))
@@ -102,7 +104,8 @@ class TrainConfig(EvalConfig):
     log_every: int = opt(50, "print progress every N optimizer steps (one host sync each); 0 = never", min=0)
     max_nonfinite_steps: int = opt(5, "stop as 'diverged' after this many consecutive non-finite losses", min=1)
     target_accuracy: float = opt(0.0, "evaluate after every epoch and record time_to_target_s, the training "
-                                 "time until the test accuracy first reaches this; 0 = off", min=0.0)
+                                 "time until the test accuracy first reaches this (a fraction: 0.9); 0 = off",
+                                 min=0.0, max=1.0)
     loader_probe_batches: int = opt(10, "before training, time this many batches of the input pipeline alone "
                                     "(loader_img_s; a warning when it is the bottleneck); 0 = off", min=0)
     run_name: str = opt("", "label stored in the CSV row's run_name (benchmark.py sets it)", hidden=True)
@@ -202,6 +205,11 @@ def validate(cfg: EvalConfig) -> EvalConfig:
             raise UsageError(f"{f.name} must be a finite number; got {value!r}")
         if low is not None and value < low:
             raise UsageError(f"{f.name} must be >= {low}; got {value!r}")
+        high, below = f.metadata.get("max"), f.metadata.get("below")
+        if high is not None and value > high:
+            raise UsageError(f"{f.name} must be <= {high}; got {value!r}")
+        if below is not None and value >= below:
+            raise UsageError(f"{f.name} must be < {below}; got {value!r}")
     return cfg
 
 

@@ -33,6 +33,8 @@ def test_defaults_are_the_articles_setup():
     ("[1, 2]\n", ["must be a mapping"]),
     ("epochs: [\n", ["not valid YAML"]),
     ("lr: .nan\n", ["lr must be a finite number; got nan"]),  # nan passes every >= check
+    ("momentum: 1.0\n", ["momentum must be < 1.0"]),  # AdamW's beta1 (torch refuses 1 with a traceback)
+    ("target_accuracy: 93\n", ["target_accuracy must be <= 1.0; got 93"]),  # a percent, never reached
 ])
 def test_bad_yaml(tmp_path, text, words):
     with pytest.raises(UsageError) as exc:
