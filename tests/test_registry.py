@@ -2,8 +2,11 @@
 each tool's flags are the ones it uses."""
 import dataclasses
 import importlib
+import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -186,3 +189,42 @@ def test_a_timeout_that_is_not_seconds_is_refused_as_the_matrix_loads(tmp_path, 
     want = f"p/pytorch_SingleGPU's timeout_s must be a number of seconds > 0; got {shown}"
     with pytest.raises(UsageError, match=want):
         matrix.load_matrix(str(path), "p", None, gpus=0)
+
+
+@pytest.mark.parametrize("preset, run, gpus, shown", [
+    ("args: {nosuchflag: 3}", "pytorch_SingleGPU.py", 0, "pytorch_SingleGPU.py has no --nosuchflag"),
+    ("", "pytorch_DeepSpeed.py, args: {compile: true}", 0, "pytorch_DeepSpeed.py has no --compile"),  # its OMIT
+    ("", "pytorch_DDP.py, gpu_args: {sync-bn: true, shard: 2}", 2, "pytorch_DDP.py has no --shard"),
+    ("args: {sharding: hybrid}", "pytorch_DDP.py", 0, "pytorch_DDP.py has no --sharding"),  # pytorch_FSDP.py's
+])
+def test_an_arg_the_script_has_no_flag_for_is_refused_as_the_matrix_loads(tmp_path, preset, run, gpus, shown):
+    """A typo was a failed row per run, each after its launch's start-up, and a matrix that exits 0."""
+    from common.config import UsageError
+
+    path = tmp_path / "m.yaml"
+    path.write_text(f"presets:\n  p:\n    {preset}\n    runs: [{{script: {run}}}]\n")
+    with pytest.raises(UsageError, match=shown + r" \(python"):
+        matrix.load_matrix(str(path), "p", None, gpus=gpus)
+
+
+@pytest.mark.slow
+@pytest.mark.beside
+def test_every_script_s_flags_are_read_from_its_source_as_its_parser_builds_them():
+    """scriptflags reads the config class from the source; the scripts, imported (torch, DeepSpeed: seconds, in
+    a process of their own), build the parser whose flags the matrix's args must be."""
+    from common.bench.scriptflags import script_flags
+
+    code = ("import json, runpy, sys\nfrom common import config, runner\ngot, out = [], {}\n"
+            "runner.launch = lambda main, file, cfg_cls=config.TrainConfig, **kw: got.append(cfg_cls)\n"
+            "runner.launch_tool = lambda main, file, cfg_cls, **kw: got.append(cfg_cls)\n"
+            "for f in sys.argv[1:]:\n"
+            "    runpy.run_path(f, run_name='__main__')  # its launch(...) hands over the class it parses with\n"
+            "    out[f] = sorted(a.dest for a in config.build_parser(got.pop(), '', ('fp32',))._actions\n"
+            "                    if a.dest != 'help')\n"
+            "print(json.dumps(out))\n")
+    files = [s.file for s in registry.SCRIPTS] + ["model_inference.py"]
+    proc = subprocess.run([sys.executable, "-c", code, *files], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {f: sorted(script_flags(f)) for f in files} == built

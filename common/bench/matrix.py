@@ -27,6 +27,7 @@ from ..launching import free_port, launch_env
 from ..measure.host import busy_pct, describe, is_busy
 from ..registry import BY_FILE, SCRIPTS
 from ..results import append_row, read_figures, read_rows
+from .scriptflags import unknown_args
 
 EXIT_STATUS = {3: "diverged", 4: "oom"}
 PROGRESS = "[progress] "  # a run's progress line (common/train.py progress): echoed for people, never parsed
@@ -120,6 +121,10 @@ def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_
             raise UsageError(f"{path}: {name}'s timeout_s must be a number of seconds > 0; got {timeout!r}")
         emulated = _emulated_half(spec, script, args, gpus)
         args.update(emulated)
+        unknown = unknown_args(script, args)
+        if unknown:  # else each such run launches, fails on argparse and leaves a failed row
+            raise UsageError(f"{path}: {name}: {script} has no {', '.join(unknown)} (python {script} --help "
+                             "lists its flags)")
         runs.append({"name": name, "script": script, "args": args, "nproc": processes(script, gpus),
                      "emulated_half": bool(emulated),
                      "gpu_only": run.get("gpu_only", False) or BY_FILE[script].needs_cuda,
