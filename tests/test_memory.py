@@ -189,6 +189,9 @@ ADVISE_BAD = [
      "--gpus 8 spans nodes of --gpus-per-node 3: a whole number of them"),
     (["advise", "--gpu", "NVIDIA H100 80GB HBM3", "--interconnect", "nvlink4", "--busbw-gbps", "100"],
      "--interconnect and --busbw-gbps both name the link"),
+    # refused before the memory table is printed, not after it
+    (["advise", "--gpu-memory-gib", "24", "--calibration", "no_such_calibration.json"], "no calibration there"),
+    (["advise", "--gpu", "NVIDIA H100 80GB HBM3", "--gpus", "8"], "give --interconnect or --busbw-gbps"),
     # refused before the compute entries' minutes, not after them
     (["calibrate", "--preset", "smoke", "--link-max-bytes", "64Q"], "--link-max-bytes '64Q': a size of at least 16K"),
     (["calibrate", "--preset", "smoke", "--link-min-bytes", "1G"], "--link-min-bytes '1G': a size from 256 up to"),
@@ -215,6 +218,7 @@ def test_advise_bad_input(advise_refused, i):
     proc = advise_refused[i]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and ADVISE_BAD[i][1] in proc.stderr, proc.stderr
+    assert ADVISE_BAD[i][0][0] != "advise" or proc.stdout == "", proc.stdout  # nothing of an answer before it
 
 
 def tracked_peak_gib(model: str, batch: int, size: int = 224) -> float:

@@ -214,6 +214,10 @@ def recommend(preds: dict, opts) -> str:
 
 def advise(opts) -> int:
     check(opts)
+    if opts.calibration or opts.gpu:
+        from .advise_time import refusal_first
+
+        refusal_first(opts, setups(opts))
     g = opts.gpu_memory_gib
     print(f"{opts.model} {opts.image_size}px, global batch {opts.batch_size}, {opts.gpus} GPU(s) of {g:g} GiB, "
           f"{opts.math}, {opts.optimizer}{', grad checkpointing' if opts.grad_checkpointing else ''}: "

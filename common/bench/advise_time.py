@@ -123,6 +123,17 @@ def _epoch(opts, setup, p, compute: Compute, link) -> float:
     return train + evaluation
 
 
+def refusal_first(opts, setups) -> None:
+    """Raises what time_tables would refuse (no calibration there, no link for several GPUs), before the memory
+    table is printed: a refusal is one line, not the end of a half-printed answer."""
+    for setup in setups:
+        if not setup.strategy.endswith("_offload"):
+            try:
+                inputs(opts, setup)
+            except (ValueError, KeyError):  # a figure missing for one row: time_tables says so in that row
+                pass
+
+
 def time_tables(opts, preds: dict) -> None:
     g = opts.gpu_memory_gib
     rows = {}
