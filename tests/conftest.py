@@ -12,6 +12,7 @@ sys.path.insert(0, TESTS)
 sys.path.insert(0, ROOT)
 
 import launches  # noqa: E402
+from helpers import descendants  # noqa: E402
 from launches import launched, runs  # noqa: E402,F401  the session's shared end-to-end runs (tests/launches.py)
 
 # Every test runs on this one host, the Slurm "nodes" included: gloo talks over loopback, whatever the
@@ -162,31 +163,6 @@ def _subreaper() -> bool:
 
 
 SUBREAPER = sys.platform == "linux" and _subreaper()
-
-
-def descendants(root: int) -> dict[int, str]:
-    """{pid: command name} of every live process under root, read from /proc."""
-    parent, name = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        comm_end = stat.rindex(")")
-        fields = stat[comm_end + 2:].split()
-        if fields[0] != "Z":
-            parent[int(entry)], name[int(entry)] = int(fields[1]), stat[stat.index("(") + 1:comm_end]
-    found, frontier = {}, [root]
-    while frontier:
-        here = frontier.pop()
-        for pid, ppid in parent.items():
-            if ppid == here and pid not in found:
-                found[pid] = name[pid]
-                frontier.append(pid)
-    return found
 
 
 @pytest.hookimpl(hookwrapper=True)

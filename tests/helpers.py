@@ -146,6 +146,36 @@ def rows(path) -> list[dict]:
         return list(csv.DictReader(fh))
 
 
+def proc_stat(pid: int | str) -> tuple[str, list[str]] | None:
+    """(command name, the fields after it) of /proc/PID/stat, None when the process is gone: the name, in
+    parentheses, may hold spaces and ')' (proc(5)), so the fields start after the last ')'. fields[0] is the
+    state (Z: a zombie), [1] the parent pid, [11] and [12] utime and stime in clock ticks."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    end = stat.rindex(")")
+    return stat[stat.index("(") + 1:end], stat[end + 2:].split()
+
+
+def descendants(root: int) -> dict[int, str]:
+    """{pid: command name} of every live process under root, read from /proc."""
+    parent, name = {}, {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        got = proc_stat(entry)
+        if got is not None and got[1][0] != "Z":
+            parent[int(entry)], name[int(entry)] = int(got[1][1]), got[0]
+    found, frontier = {}, [root]
+    while frontier:
+        here = frontier.pop()
+        for pid, ppid in parent.items():
+            if ppid == here and pid not in found:
+                found[pid] = name[pid]
+                frontier.append(pid)
+    return found
+
+
 def check_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {ended(proc.returncode)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, rows, run_at_once
+from helpers import ROOT, proc_stat, rows, run_at_once
 
 from common.registry import BY_FILE, SCRIPTS
 from common.report import update_readme, write_report
@@ -39,12 +39,8 @@ def _running(marker: str) -> list[int]:
 
 
 def _cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-    except (OSError, IndexError, ValueError):
-        return 0.0
+    got = proc_stat(pid)
+    return 0.0 if got is None else (int(got[1][11]) + int(got[1][12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 @pytest.mark.slow

@@ -30,28 +30,13 @@ def start(script, argv, stderr=subprocess.PIPE, port=None):
                          stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
 
 
-def descendants(pid: int) -> list[int]:
-    """pid and every process below it: torchrun starts its workers in sessions of their own, so
-    killing torchrun's process group would leave them training."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
 def kill_all(proc) -> None:
-    for pid in descendants(proc.pid):
+    """SIGKILL to the launcher and every process below it (torchrun starts its workers in sessions of their own:
+    its process group would leave them training); none once it has been waited for, when its pid may be
+    another process's."""
+    if proc.poll() is not None:
+        return
+    for pid in [proc.pid, *helpers.descendants(proc.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
