@@ -61,11 +61,16 @@ FAKES = {
     "hostname": 'case "$1" in --ip-address|-i) echo 127.0.1.1 ;; --all-ip-addresses|-I) echo "$FAKE_ADDRS" ;; '
                 '*) echo node1 ;; esac',
     "scontrol": 'echo n1; echo n2',
-    # srun: a step of one task runs its command once; the job's step runs it on each node of $FAKE_NODEIDS
+    # srun: a step of one task runs its command once; the job's step runs it on each node of $FAKE_NODEIDS. A job
+    # submitted with --export=NONE has SLURM_EXPORT_ENV=NONE, and its steps get only SLURM_* (sbatch(1) --export;
+    # PATH and the fakes' FAKE_* kept here, for the fakes)
     "srun": 'one=0; while [ "${1#-}" != "$1" ]; do [ "$1" = --ntasks=1 ] && one=1; shift; done\n'
-            'if [ $one = 1 ]; then exec "$@"; fi\n'
+            'step() { [ "${SLURM_EXPORT_ENV:-ALL}" != NONE ] && { "$@"; return; }\n'
+            '    mapfile -t keep < <(env | grep -E "^(SLURM|FAKE)_[A-Za-z_]*=")\n'
+            '    env -i PATH="$PATH" "${keep[@]}" "$@"; }\n'
+            'if [ $one = 1 ]; then step "$@"; exit; fi\n'
             'for n in $FAKE_NODEIDS; do echo "step cpus ${SRUN_CPUS_PER_TASK:-unset}"\n'
-            '    SLURM_NODEID=$n "$@" || exit; done',
+            '    SLURM_NODEID=$n step "$@" || exit; done',
     # node 0 holds the address node_addr.sh found (on ens5); the others route to it through ib0
     "ip": 'case "$*" in "-o -4 addr show to "*) [ "$SLURM_NODEID" = 0 ] && for a in $FAKE_ADDRS; do\n'
           '    [ "$a" = "$6" ] && echo "2: ens5    inet $a/24 brd 10.1.2.255 scope global ens5"; done ;;\n'
@@ -121,6 +126,20 @@ def test_each_node_names_gloo_the_interface_it_reaches_the_first_node_through(tm
         assert "gloo=unset " in one, one
 
 
+def test_a_job_submitted_with_export_none_still_hands_its_steps_what_they_read(tmp_path):
+    """sbatch --export=NONE (sites that keep the submit shell's environment out of jobs) sets SLURM_EXPORT_ENV=NONE,
+    which every srun in the script inherits: its steps would get none of what the script exported (the head's
+    address, the accelerate config and script). The templates set SLURM_EXPORT_ENV=ALL, as sbatch(1) --export
+    advises."""
+    for template, args in (("torchrun.sbatch", ["pytorch_DDP.py"]),
+                           ("accelerate.sbatch", ["config/default_DDP.yml", "accelerate_DDP.py"])):
+        proc = run_template(tmp_path, template, *args, FAKE_ADDRS="10.1.2.3", SLURM_EXPORT_ENV="NONE")
+        nodes = [ln for ln in proc.stdout.splitlines() if ln.startswith("node ")]
+        assert proc.returncode == 0 and len(nodes) == 2, (proc.stdout, proc.stderr)
+        assert "gloo=ens5 " in nodes[0] and "gloo=ib0 " in nodes[1], nodes
+        assert all("10.1.2.3" in ln and args[-1] in ln for ln in nodes), nodes
+
+
 def test_a_head_node_with_only_loopback_is_refused_in_one_line(tmp_path):
     proc = run_template(tmp_path, "torchrun.sbatch", "pytorch_DDP.py")
     assert proc.returncode != 0 and "node " not in proc.stdout, proc.stdout  # no torchrun started
@@ -149,6 +168,7 @@ def test_generated_job_files_give_each_step_the_jobs_cpus(tmp_path):
     text = slurm.sbatch_text(run, opts, str(tmp_path / "s.csv"), str(tmp_path))
     export = text.index("export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK")
     assert export < text.index('srun "$PYTHON" pytorch_SingleGPU.py')
+    assert text.index("export SLURM_EXPORT_ENV=ALL") < export  # under sbatch --export=NONE too
 
 
 def test_the_nodes_process_count_is_read_from_either_launcher():

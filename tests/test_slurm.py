@@ -63,7 +63,9 @@ def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
     DeepSpeed on 2 nodes trains in the accelerate template's test below.
     The job asks 2 CPUs per task of a cluster that binds steps to their CPUs (task/affinity): each node's
     step must get both (a plain srun gets one since Slurm 22.05), and torch's threads follow the step's
-    CPUs (OMP_NUM_THREADS left unset), so the row's cpu_threads says so too."""
+    CPUs (OMP_NUM_THREADS left unset), so the row's cpu_threads says so too. It is submitted with --export=NONE,
+    as sites that keep the submit shell's environment out of jobs do: the steps still get what the job file and
+    the template export (their SLURM_EXPORT_ENV=ALL); the accelerate test below runs with Slurm's default."""
     results, matrix = tmp_path / "summary.csv", tmp_path / "m.yaml"
     cpus = min(2, len(os.sched_getaffinity(0)))  # the test cluster's CPUs per node (tests/slurm_cluster.py)
     args = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in TINY.items()
@@ -72,7 +74,8 @@ def test_benchmark_smoke_preset_as_slurm_jobs(cluster, tmp_path):
                       "    runs: [{name: crash, script: pytorch_DDP.py, args: {model: no_such_model}}]\n")
     env = {k: v for k, v in slurm_env(cluster).items() if k != "OMP_NUM_THREADS"}
     proc = benchmark(cluster, tmp_path, "--preset", "smoke", "--matrix", str(matrix), "--only", "pytorch_DDP.py",
-                     "--launcher", "slurm", "--nodes", "2", f"--sbatch-arg=--cpus-per-task={cpus}", env=env)
+                     "--launcher", "slurm", "--nodes", "2", f"--sbatch-arg=--cpus-per-task={cpus}",
+                     "--sbatch-arg=--export=NONE", env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = {r["run_name"]: r for r in rows(results)}
     assert sorted(got) == ["smoke/crash", "smoke/pytorch_DDP"], rows(results)

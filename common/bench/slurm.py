@@ -100,6 +100,8 @@ def sbatch_text(run: dict, opts, results: str, log_dir: str) -> str:
            f"export PYTHON={shlex.quote(sys.executable)} PATH={shlex.quote(os.path.dirname(sys.executable))}:$PATH",
            f"export GPUS_PER_NODE={per_node} RDZV_PORT={free_port()}",
            f"export SAVE_DIR={shlex.quote(save_root)}",
+           # the steps get what this script exports under sbatch --export=NONE too (slurm/torchrun.sbatch)
+           "export SLURM_EXPORT_ENV=ALL",
            # a step does not inherit the job's --cpus-per-task since Slurm 22.05 (slurm/torchrun.sbatch)
            'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi',
            launch, ""])
