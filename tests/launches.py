@@ -304,8 +304,8 @@ class SharedLaunches:
     def _launch(self, name: str, case: Launch, folder: Path, cmd: list[str], port: int | None) -> Result:
         """In the pool's thread: start the command built in pytest's, wait, read the row."""
         env = {**self.env, **dict(case.env)}
-        proc = POPEN(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        with self.lock:
+        with self.lock:  # started and recorded at once: conftest.py's clean-up after a failed test spares these
+            proc = POPEN(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             self.pids.add(proc.pid)
         try:
             out, err = proc.communicate(timeout=300)
