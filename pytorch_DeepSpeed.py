@@ -45,7 +45,7 @@ from common import (  # noqa: E402
     save_final,
     steps_per_epoch,
 )
-from common.deepspeed_config import join_deepspeed, resolve_ds_config  # noqa: E402
+from common.deepspeed_config import join_deepspeed, read_ds_json, resolve_ds_config  # noqa: E402
 
 
 @dataclass
@@ -58,6 +58,7 @@ class DeepSpeedConfig(DistributedConfig):
 
 
 def main(cfg):
+    read_ds_json(cfg.deepspeed_config)  # a bad file refused before the group and DeepSpeed's comm layer start
     info = init_distributed(cfg, standalone_group=True)
     join_deepspeed(cfg)  # DeepSpeed's comm layer over this group, with --dist-timeout-s
     rank, world_size, device = info.rank, info.world_size, info.device

@@ -41,16 +41,12 @@ def check_accelerator_supports(precision: str) -> None:
                          f"{'bf16' if precision == 'fp16' else 'fp16'} or fp32")
 
 
-def resolve_ds_config(cfg: TrainConfig, path: str, world_size: int, micro_batch: int,
-                      offload: bool = False) -> tuple[dict, str]:
-    """Returns (config dict for deepspeed.initialize, precision actually used: fp32/fp16/bf16).
-
-    ZeRO-3: stage3_gather_16bit_weights_on_model_save defaults to true here. accelerate's
-    get_state_dict (and engine.save_16bit_model) raise without it, since under stage 3 no rank
-    holds whole parameters; with it the weights are gathered to rank 0 on save."""
-    full = resolve_path(path)
+def read_ds_json(path: str) -> dict:
+    """The DeepSpeed JSON at path (relative to the working directory or the project) as a dict; a file that is
+    missing, unreadable or not a JSON object is refused in one line. The scripts read it first, before the
+    process group and DeepSpeed's comm layer start (whose op build warns on stderr)."""
     try:
-        with open(full) as fh:
+        with open(resolve_path(path)) as fh:
             ds = json.load(fh)
     except FileNotFoundError:
         raise UsageError(f"DeepSpeed config not found: {path}") from None
@@ -60,6 +56,17 @@ def resolve_ds_config(cfg: TrainConfig, path: str, world_size: int, micro_batch:
         raise UsageError(f"DeepSpeed config {path} is not valid JSON ({exc})") from None
     if not isinstance(ds, dict):
         raise UsageError(f"DeepSpeed config {path} must be a JSON object")
+    return ds
+
+
+def resolve_ds_config(cfg: TrainConfig, path: str, world_size: int, micro_batch: int,
+                      offload: bool = False) -> tuple[dict, str]:
+    """Returns (config dict for deepspeed.initialize, precision actually used: fp32/fp16/bf16).
+
+    ZeRO-3: stage3_gather_16bit_weights_on_model_save defaults to true here. accelerate's
+    get_state_dict (and engine.save_16bit_model) raise without it, since under stage 3 no rank
+    holds whole parameters; with it the weights are gathered to rank 0 on save."""
+    ds = read_ds_json(path)
     for key in ("optimizer", "scheduler"):
         if key in ds:
             raise UsageError(f"{path} defines a {key}; this project takes the optimizer and schedule from "

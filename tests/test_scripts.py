@@ -186,6 +186,10 @@ def ds_refused(tmp_path_factory):
         (root / str(i) / "ds.json").write_text(content)
         jobs[i] = ("pytorch_DeepSpeed.py", tiny_args(root / str(i), deepspeed_config=str(root / str(i) / "ds.json")))
     jobs["compile"] = ("pytorch_DeepSpeed.py", tiny_args(root / "compile") + ["--compile"])
+    (root / "notjson").mkdir()
+    (root / "notjson" / "ds.json").write_text("{zero: 2")
+    for key, path in (("missing", root / "no_such.json"), ("notjson", root / "notjson" / "ds.json")):
+        jobs[key] = ("pytorch_DeepSpeed.py", tiny_args(root / key, deepspeed_config=str(path)))
     return {k: (root / str(k), proc) for k, proc in run_at_once(jobs).items()}
 
 
@@ -193,6 +197,17 @@ def ds_refused(tmp_path_factory):
 def test_deepspeed_json_refusals(ds_refused, i):
     folder, proc = ds_refused[i]
     assert DS_REFUSALS[i][1] in one_line_error(proc)
+    assert rows(folder / "summary.csv") == []
+
+
+@pytest.mark.parametrize("key, words", [("missing", "DeepSpeed config not found: "),
+                                        ("notjson", "is not valid JSON")])
+def test_a_deepspeed_json_that_cannot_be_read_is_one_line_before_deepspeed_starts(ds_refused, key, words):
+    """Read before the process group and DeepSpeed's comm layer, whose op build on a CPU warned on stderr first
+    (torch's cpp_extension: "No CUDA runtime is found")."""
+    folder, proc = ds_refused[key]
+    assert words in one_line_error(proc)
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
     assert rows(folder / "summary.csv") == []
 
 
