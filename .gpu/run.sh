@@ -35,7 +35,7 @@ export LEASE_RUN="$$.$(date +%s%N)"
 ours() {  # builtins only: a process this reads with would carry the mark (this shell's own block predates it)
   local f v vars
   for f in /proc/[0-9]*/environ; do
-    mapfile -d '' -t vars < "$f" 2>/dev/null || continue
+    mapfile -d '' -t vars 2>/dev/null < "$f" || continue  # 2> first: a gone or foreign process is silent
     for v in "${vars[@]}"; do [ "$v" = "LEASE_RUN=$LEASE_RUN" ] && { f=${f#/proc/}; echo "${f%/environ}"; break; }; done
   done
 }

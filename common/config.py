@@ -88,7 +88,7 @@ class TrainConfig(EvalConfig):
     batch_size: int = opt(128, "GLOBAL batch per optimizer step, images (split over ranks and --grad-accum)", min=1)
     grad_accum: int = opt(1, "micro-batches accumulated per optimizer step", min=1)
     lr: float = opt(0.01, "peak learning rate", min=0.0)
-    momentum: float = opt(0.9, "SGD momentum (AdamW: beta1)", min=0.0, below=1.0)  # torch's AdamW: beta1 < 1
+    momentum: float = opt(0.9, "SGD momentum (AdamW: beta1)", min=0.0, below=1.0)  # 1: AdamW refuses, SGD never decays
     weight_decay: float = opt(5e-4, "weight decay (decoupled for AdamW)", min=0.0)
     optimizer: str = opt("sgd", "optimizer", choices=("sgd", "adamw"))
     scheduler: str = opt("cosine", "learning-rate schedule after warm-up", choices=("cosine", "none"))

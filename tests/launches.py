@@ -304,7 +304,7 @@ class SharedLaunches:
     def _launch(self, name: str, case: Launch, folder: Path, cmd: list[str], port: int | None) -> Result:
         """In the pool's thread: start the command built in pytest's, wait, read the row."""
         env = {**self.env, **dict(case.env)}
-        with self.lock:  # started and recorded at once: conftest.py's clean-up after a failed test spares these
+        with self.lock:  # started and recorded at once, for conftest.py's clean-up after a failed test to spare
             proc = POPEN(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             self.pids.add(proc.pid)
         try:

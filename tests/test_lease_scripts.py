@@ -138,6 +138,7 @@ def test_part_2_stops_the_runs_it_started_and_no_other(tmp_path):
         proc, out, _ = _lease(tmp_path, "2", 300, extra={"STRAY": str(stray)})
         assert proc.returncode == 0, proc.stderr
         assert beside.poll() is None, f"part 2 stopped a process it did not start (exit {beside.returncode})"
+        assert "No such" not in proc.stderr and "denied" not in proc.stderr, proc.stderr[-500:]  # /proc, read quietly
         pid = int(stray.read_text())
         assert _gone(pid), f"the run part 2 started, {pid}, still runs"
     finally:

@@ -228,3 +228,13 @@ def test_every_script_s_flags_are_read_from_its_source_as_its_parser_builds_them
     assert proc.returncode == 0, proc.stderr[-2000:]
     built = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {f: sorted(script_flags(f)) for f in files} == built
+
+
+def test_an_arg_spelled_with_dashes_is_one_key_with_its_underscore_spelling(tmp_path):
+    """batch-size in the preset and batch_size in the run were two keys: two --batch-size flags, the harness
+    (world_size_runs, slurm.py) reading the other."""
+    path = tmp_path / "m.yaml"
+    path.write_text("presets:\n  p:\n    args: {batch-size: 32, sync-bn: true}\n"
+                    "    runs: [{script: pytorch_DDP.py, args: {batch_size: 16}}]\n")
+    (run,) = matrix.load_matrix(str(path), "p", None, gpus=0)
+    assert run["args"] == {"batch_size": 16, "sync_bn": True}

@@ -127,9 +127,12 @@ def refusal_first(opts, setups) -> None:
     """Raises what time_tables would refuse (no calibration there, no link for several GPUs), before the memory
     table is printed: a refusal is one line, not the end of a half-printed answer."""
     for setup in setups:
-        if not setup.strategy.endswith("_offload"):
+        if setup.strategy.endswith("_offload"):
+            continue
+        curve = [n for n in getattr(opts, "gpu_counts", []) if n > 1] if setup.strategy in CURVE else []
+        for n in {setup.world_size, *curve}:  # the scaling curve's counts too (curve)
             try:
-                inputs(opts, setup)
+                inputs(opts, replace(setup, world_size=n))
             except (ValueError, KeyError):  # a figure missing for one row: time_tables says so in that row
                 pass
 

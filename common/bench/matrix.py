@@ -77,7 +77,7 @@ def _emulated_half(spec: dict, script: str, args: dict, gpus: int) -> dict:
     would run reference kernels on this machine's CPU (with --launcher slurm: the submitting host's)."""
     from ..precision import native_half_kernels
 
-    extra = spec.get("cpu_emulated_half_args") or {}
+    extra = _snake(spec.get("cpu_emulated_half_args") or {})
     precision = str(args.get("precision", BY_FILE[script].precisions[0]))
     if gpus or not extra or native_half_kernels(precision):
         return {}
@@ -99,6 +99,12 @@ def only_of(opts) -> list[str] | None:
     return [s.strip() for s in opts.only.split(",")] if opts.only else None
 
 
+def _snake(args: dict) -> dict:
+    """Keys as the config spells its fields (batch-size -> batch_size): one key per flag when the preset's,
+    the run's and the hardware's args merge, and the one the harness reads (world_size_runs, slurm.py)."""
+    return {str(k).replace("-", "_"): v for k, v in (args or {}).items()}
+
+
 def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_dir: str = "") -> list[dict]:
     """The preset's runs; save_dir (benchmark.py --save-dir) replaces every run's checkpoint folder."""
     presets = read_presets(path)
@@ -114,7 +120,8 @@ def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_
         if name in names:
             raise UsageError(f"{path}: run name {name} appears twice; give one a 'name'")
         names.add(name)
-        args = {**spec.get("args", {}), **run.get("args", {}), **run.get("gpu_args" if gpus else "cpu_args", {}),
+        args = {**_snake(spec.get("args", {})), **_snake(run.get("args", {})),
+                **_snake(run.get("gpu_args" if gpus else "cpu_args", {})),
                 **({"save_dir": save_dir} if save_dir else {})}
         timeout = run.get("timeout_s", spec.get("timeout_s", 3600))
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
