@@ -95,6 +95,12 @@ def load_optimizer(optimizer, state: dict) -> None:
     optimizer.load_state_dict(state)
     for group, kept in zip(optimizer.param_groups, kernels):
         group.update(kept)
+    # the saved groups replace this optimizer's (torch/optim/optimizer.py update_group): AdamW's groups in an SGD
+    # failed at its first step with KeyError 'momentum'. A key a newer torch added is back: __setstate__ sets it
+    missing = sorted({k for g in optimizer.param_groups for k in getattr(optimizer, "defaults", {}) if k not in g})
+    if missing:
+        raise ValueError(f"its optimizer state has no {', '.join(missing)}: it was written by another optimizer "
+                         "(--optimizer)")
 
 
 def _load(path: str):

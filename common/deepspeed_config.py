@@ -43,8 +43,8 @@ def check_accelerator_supports(precision: str) -> None:
 
 def read_ds_json(path: str) -> dict:
     """The DeepSpeed JSON at path (relative to the working directory or the project) as a dict; a file that is
-    missing, unreadable or not a JSON object is refused in one line. The scripts read it first, before the
-    process group and DeepSpeed's comm layer start (whose op build warns on stderr)."""
+    missing, unreadable or not a JSON object is refused in one line. pytorch_DeepSpeed.py reads it first, before
+    the process group and DeepSpeed's comm layer start (whose op build warns on stderr)."""
     try:
         with open(resolve_path(path)) as fh:
             ds = json.load(fh)

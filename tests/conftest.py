@@ -1,5 +1,6 @@
 """pytest set-up: the project root on sys.path, and the suite's promise to leave the checkout as it found
 it. Helpers live in tests/helpers.py, the shared launches in tests/launches.py."""
+import contextlib
 import os
 import sys
 import time
@@ -181,14 +182,19 @@ def pytest_runtest_protocol(item, nextitem):
         import signal
 
         before = getattr(item, "_procs_before", before)
-        for pid in launches.ACTIVE.running_pids() if launches.ACTIVE else ():  # shared launches the next tests read
-            before |= {pid, *descendants(pid)}
-        left = {p: n for p, n in descendants(os.getpid()).items() if p not in before and n not in DAEMONS}
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        # the shared launches the next tests read are spared: the launches' lock held to the kills, so that none
+        # starts unseen (tests/launches.py _launch), and their processes walked after ours, so that a worker a
+        # launcher forks meanwhile is in both walks
+        with launches.ACTIVE.lock if launches.ACTIVE else contextlib.nullcontext():
+            shared = launches.ACTIVE.running_pids() if launches.ACTIVE else []
+            ours = descendants(os.getpid())
+            before |= {p for pid in shared for p in (pid, *descendants(pid))}
+            left = {p: n for p, n in ours.items() if p not in before and n not in DAEMONS}
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         time.sleep(0.5)
         for pid in left:  # those the subreaper inherited are its children now: no zombies of ours left
             try:

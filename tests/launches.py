@@ -234,7 +234,7 @@ class SharedLaunches:
         self.root, self.done = root, {}
         self.futures: dict[str, Future] = {}
         self.pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="launch")
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # conftest.py's clean-up holds it around running_pids()
         self.plan = threading.RLock()  # futures and the look-ahead: pytest's thread and the launches' callbacks
         self.pids: set[int] = set()  # launchers running now: conftest.py leaves them to the tests that read them
         self.needs: list[list[str]] = []  # per collected test, in order: the launches its marker names

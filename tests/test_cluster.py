@@ -284,6 +284,20 @@ def test_a_foreach_optimizers_state_resumes_into_a_fused_one():
     scaler.step(new)  # foreach flags restored here: "Expected grad_scale and found_inf to be None"
 
 
+def test_another_optimizers_state_is_refused_before_the_first_step():
+    """A checkpoint older than the fits check (no "fits" in run.pt) trained with AdamW, resumed with SGD: the
+    load succeeds with AdamW's groups, and SGD's first step raised KeyError 'momentum' as a traceback."""
+    from common.checkpoint import load_optimizer
+
+    model = torch.nn.Linear(4, 2)
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="no dampening, momentum: it was written by another optimizer"):
+        load_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), adamw.state_dict())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    load_optimizer(sgd, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9).state_dict())
+    assert sgd.param_groups[0]["lr"] == 0.2
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 def test_an_optimizer_step_does_not_wait_for_the_device(monkeypatch, precision, name):

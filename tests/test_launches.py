@@ -89,3 +89,34 @@ def test_a_full_suite_the_disk_cannot_hold_stops_before_its_first_test(tmp_path,
     monkeypatch.setattr(helpers, "SUITE_DISK_GIB", 0)
     with pytest.raises(pytest.exit.Exception, match="reached the gloo check"):
         conftest.pytest_collection_finish(session)
+
+
+def test_a_failed_tests_clean_up_spares_a_worker_a_shared_launcher_forks_meanwhile(monkeypatch, pytestconfig):
+    """After a failed test conftest.py kills what the test left, sparing the shared launches the next tests read.
+    A worker their launcher forks after the launcher's processes were walked, but before ours, was taken for
+    the test's leftover: its launch died with -9 and every test reading it failed."""
+    here = os.path.join(os.path.dirname(__file__), "conftest.py")  # not tests/gpu's, also named conftest
+    (conftest,) = [p for p in pytestconfig.pluginmanager.get_plugins() if getattr(p, "__file__", None) == here]
+
+    launcher, worker, stray = 10**7 + 1, 10**7 + 2, 10**7 + 3
+    walks = []  # ours: before the test, then the clean-up's; the worker exists from the clean-up's walk on
+
+    def descendants(pid):
+        if pid == os.getpid():
+            walks.append(pid)
+            return {launcher: "torchrun", stray: "python"} | ({worker: "python"} if len(walks) > 1 else {})
+        return {worker: "python"} if len(walks) > 1 and pid == launcher else {}
+
+    killed = []
+    monkeypatch.setattr(conftest, "descendants", descendants)
+    monkeypatch.setattr(conftest, "SUBREAPER", True)
+    monkeypatch.setattr(conftest.time, "sleep", lambda s: None)
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append(pid))
+    monkeypatch.setattr(os, "waitpid", lambda pid, flags: (0, 0))
+    monkeypatch.setattr(launches, "ACTIVE", SimpleNamespace(lock=threading.RLock(), running_pids=lambda: [launcher]))
+    item = SimpleNamespace(_reports=[SimpleNamespace(failed=True)], _procs_before=set(), nodeid="t")
+    gen = conftest.pytest_runtest_protocol(item, None)
+    next(gen)
+    with pytest.raises(StopIteration):
+        next(gen)
+    assert killed == [stray]

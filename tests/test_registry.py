@@ -195,6 +195,8 @@ def test_a_timeout_that_is_not_seconds_is_refused_as_the_matrix_loads(tmp_path, 
     ("args: {nosuchflag: 3}", "pytorch_SingleGPU.py", 0, "pytorch_SingleGPU.py has no --nosuchflag"),
     ("", "pytorch_DeepSpeed.py, args: {compile: true}", 0, "pytorch_DeepSpeed.py has no --compile"),  # its OMIT
     ("", "pytorch_DDP.py, gpu_args: {sync-bn: true, shard: 2}", 2, "pytorch_DDP.py has no --shard"),
+    ("", "pytorch_DDP.py, gpu_args: {shard: 2}", 0, "pytorch_DDP.py has no --shard"),  # on the CPU host too
+    ("", "pytorch_DDP.py, cpu_args: {shard: 2}", 2, "pytorch_DDP.py has no --shard"),
     ("args: {sharding: hybrid}", "pytorch_DDP.py", 0, "pytorch_DDP.py has no --sharding"),  # pytorch_FSDP.py's
 ])
 def test_an_arg_the_script_has_no_flag_for_is_refused_as_the_matrix_loads(tmp_path, preset, run, gpus, shown):
@@ -238,3 +240,60 @@ def test_an_arg_spelled_with_dashes_is_one_key_with_its_underscore_spelling(tmp_
                     "    runs: [{script: pytorch_DDP.py, args: {batch_size: 16}}]\n")
     (run,) = matrix.load_matrix(str(path), "p", None, gpus=0)
     assert run["args"] == {"batch_size": 16, "sync_bn": True}
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("presets:\n  p: [1]\n", "preset p must be a mapping"),
+    ("presets:\n  p:\n    args: [1]\n    runs: [{script: pytorch_DDP.py}]\n", "p's args must be a mapping"),
+    ("presets:\n  p:\n    runs: [{script: pytorch_DDP.py, gpu_args: 5}]\n", "DDP.py's gpu_args must be a mapping"),
+    ("presets:\n  p:\n    scripts: all\n    runs: [{script: pytorch_DDP.py, args: [1]}]\n", "args must be"),
+    ("presets:\n  p:\n    runs: [3]\n", "run 3 names no script"),
+])
+def test_a_matrix_part_that_is_not_a_mapping_is_one_line(tmp_path, text, shown):
+    """A list where the flags' mapping goes was a traceback (AttributeError, TypeError) on every load."""
+    from common.config import UsageError
+
+    path = tmp_path / "m.yaml"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=shown):
+        matrix.load_matrix(str(path), "p", None, gpus=0)
+
+
+def test_calibrate_reads_a_preset_spelled_with_dashes_as_its_runs_do(tmp_path):
+    """calibrate read image_size and batch_size only: a preset's image-size: 32 ran at 32 px and was measured at
+    224."""
+    import benchmark
+    from common.bench import calibrate
+
+    path = tmp_path / "m.yaml"
+    path.write_text("presets:\n  p:\n    args: {model: resnet18, image-size: 32, batch-size: 16}\n"
+                    "    runs: [{script: pytorch_DDP.py}]\n")
+    opts = benchmark.parse(["calibrate", "--matrix", str(path), "--preset", "p",
+                            "--device", "cpu", "--out", str(tmp_path / "c.json")])
+    p = calibrate._plan(opts)
+    (run,) = matrix.load_matrix(str(path), "p", None, gpus=0)
+    assert (p.image, p.batch, p.args["batch_size"]) == (32, 16, 16) == (run["args"]["image_size"],
+                                                                        run["args"]["batch_size"], 16)
+
+
+@pytest.mark.parametrize("omit, shown", [
+    ("OMIT: ClassVar[tuple[str, ...]] = ('compile',)", None),  # as common/config.py spells it
+    ("OMIT = ('compile',)", None),
+    ("OMIT = TrainConfig.OMIT + ('compile',)", "its OMIT is not a literal tuple"),
+])
+def test_a_script_s_omit_is_read_however_it_is_written(tmp_path, omit, shown):
+    """An annotated OMIT was skipped (the base's taken: the omitted flag accepted), a computed one a ValueError
+    traceback on every matrix load."""
+    from common.bench.scriptflags import script_flags
+    from common.config import UsageError
+
+    script = tmp_path / "s.py"
+    script.write_text("from typing import ClassVar\nfrom common.config import TrainConfig\nfrom common.runner import "
+                      f"launch\n\n\nclass Cfg(TrainConfig):\n    {omit}\n    extra: int = 0\n\n\n"
+                      "launch(print, __file__, Cfg)\n")
+    if shown:
+        with pytest.raises(UsageError, match=shown):
+            script_flags(str(script))
+    else:
+        assert "extra" in script_flags(str(script)) and "compile" not in script_flags(str(script))
+        assert "compile" in script_flags("pytorch_SingleGPU.py")

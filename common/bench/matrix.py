@@ -54,8 +54,10 @@ def _entries(spec: dict, path: str) -> list[dict]:
     """The preset's run entries: the registry's default runs (scripts: all), changed or extended by `runs`."""
     runs = list(spec.get("runs") or [])
     for r in runs:
-        if r.get("script") not in BY_FILE:
+        if not isinstance(r, dict) or r.get("script") not in BY_FILE:
             raise UsageError(f"{path}: run {r} names no script of common/registry.py")
+        for k in ("args", "cpu_args", "gpu_args"):  # merged below: a list there was a TypeError
+            snake_args(r.get(k), f"{path}: run {r.get('name', r['script'])}'s {k}")
     if spec.get("scripts") != "all":
         return runs
     out = []
@@ -77,7 +79,7 @@ def _emulated_half(spec: dict, script: str, args: dict, gpus: int) -> dict:
     would run reference kernels on this machine's CPU (with --launcher slurm: the submitting host's)."""
     from ..precision import native_half_kernels
 
-    extra = _snake(spec.get("cpu_emulated_half_args") or {})
+    extra = snake_args(spec.get("cpu_emulated_half_args"), "cpu_emulated_half_args")
     precision = str(args.get("precision", BY_FILE[script].precisions[0]))
     if gpus or not extra or native_half_kernels(precision):
         return {}
@@ -99,9 +101,12 @@ def only_of(opts) -> list[str] | None:
     return [s.strip() for s in opts.only.split(",")] if opts.only else None
 
 
-def _snake(args: dict) -> dict:
+def snake_args(args, where: str) -> dict:
     """Keys as the config spells its fields (batch-size -> batch_size): one key per flag when the preset's,
-    the run's and the hardware's args merge, and the one the harness reads (world_size_runs, slurm.py)."""
+    the run's and the hardware's args merge, and the one the harness reads (world_size_runs, slurm.py,
+    calibrate). where names the mapping in the refusal of one that is not."""
+    if args is not None and not isinstance(args, dict):
+        raise UsageError(f"{where} must be a mapping of flags to values; got {type(args).__name__}")
     return {str(k).replace("-", "_"): v for k, v in (args or {}).items()}
 
 
@@ -111,6 +116,8 @@ def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_
     if preset not in presets:
         raise UsageError(f"unknown preset '{preset}'; {path} has: {', '.join(presets)}")
     spec = presets[preset]
+    if not isinstance(spec, dict):
+        raise UsageError(f"{path}: preset {preset} must be a mapping (scripts:, runs:, args:, ...)")
     runs, names = [], set()
     for run in _entries(spec, path):
         script = run["script"]
@@ -120,15 +127,17 @@ def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_
         if name in names:
             raise UsageError(f"{path}: run name {name} appears twice; give one a 'name'")
         names.add(name)
-        args = {**_snake(spec.get("args", {})), **_snake(run.get("args", {})),
-                **_snake(run.get("gpu_args" if gpus else "cpu_args", {})),
-                **({"save_dir": save_dir} if save_dir else {})}
+        hw = {k: snake_args(run.get(k), f"{path}: {name}'s {k}") for k in ("gpu_args", "cpu_args")}
+        args = {**snake_args(spec.get("args"), f"{path}: {preset}'s args"),
+                **snake_args(run.get("args"), f"{path}: {name}'s args"),
+                **hw["gpu_args" if gpus else "cpu_args"], **({"save_dir": save_dir} if save_dir else {})}
         timeout = run.get("timeout_s", spec.get("timeout_s", 3600))
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
             raise UsageError(f"{path}: {name}'s timeout_s must be a number of seconds > 0; got {timeout!r}")
         emulated = _emulated_half(spec, script, args, gpus)
         args.update(emulated)
-        unknown = unknown_args(script, args)
+        # the other hardware's args too: a typo in gpu_args is refused on the CPU host that writes the matrix
+        unknown = unknown_args(script, {**args, **hw["cpu_args"], **hw["gpu_args"]})
         if unknown:  # else each such run launches, fails on argparse and leaves a failed row
             raise UsageError(f"{path}: {name}: {script} has no {', '.join(unknown)} (python {script} --help "
                              "lists its flags)")

@@ -13,7 +13,7 @@ import functools
 import os
 
 from .. import config
-from ..config import PROJECT_ROOT
+from ..config import PROJECT_ROOT, UsageError
 
 
 @functools.cache
@@ -26,18 +26,28 @@ def script_flags(script: str) -> frozenset[str]:
     while name in classes:  # the script's own classes, down to the one of common/config.py they extend
         node = classes[name]
         for item in node.body:
-            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) \
-                    and "ClassVar" not in ast.unparse(item.annotation):
-                own.add(item.target.id)
-            elif isinstance(item, ast.Assign) and omit is None and any(
-                    isinstance(t, ast.Name) and t.id == "OMIT" for t in item.targets):
-                omit = set(ast.literal_eval(item.value))  # the most derived class's, as a class attribute
+            target = item.target if isinstance(item, ast.AnnAssign) else (
+                item.targets[0] if isinstance(item, ast.Assign) and len(item.targets) == 1 else None)
+            if not isinstance(target, ast.Name):
+                continue
+            if target.id == "OMIT":  # OMIT = (...) or, as common/config.py spells it, OMIT: ClassVar[...] = (...)
+                omit = _literal(script, item.value) if omit is None else omit  # the most derived class's
+            elif isinstance(item, ast.AnnAssign) and "ClassVar" not in ast.unparse(item.annotation):
+                own.add(target.id)
         name = node.bases[0].id if node.bases and isinstance(node.bases[0], ast.Name) else ""
     base = getattr(config, name, None)
     if not (isinstance(base, type) and dataclasses.is_dataclass(base)):
-        raise ValueError(f"{script}: its config class does not extend one of common/config.py's")
+        raise UsageError(f"{script}: its config class does not extend one of common/config.py's")
     fields = own | {f.name for f in dataclasses.fields(base)}
     return frozenset(fields - (set(base.OMIT) if omit is None else omit))
+
+
+def _literal(script: str, value) -> set[str]:
+    try:
+        return set(ast.literal_eval(value))
+    except (ValueError, TypeError, SyntaxError):
+        raise UsageError(f"{script}: its OMIT is not a literal tuple of field names, which the matrix check reads"
+                         ) from None
 
 
 def _cfg_cls(tree: ast.Module) -> str:
@@ -47,7 +57,7 @@ def _cfg_cls(tree: ast.Module) -> str:
         if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("launch", "launch_tool"):
             named = [kw.value for kw in node.keywords if kw.arg == "cfg_cls"] + node.args[2:3]
             return named[0].id if named and isinstance(named[0], ast.Name) else "TrainConfig"
-    raise ValueError("no launch(...) call")
+    raise UsageError("no launch(...) call, which names the config class the matrix check reads")
 
 
 def unknown_args(script: str, args: dict) -> list[str]:
