@@ -69,6 +69,8 @@ def test_a_size_the_family_cannot_take_is_refused_in_one_line(name, size, words)
     assert str(err.value).startswith(f"--image-size {size}: {name} cannot take it") and "\n" not in str(err.value)
 
 
+@pytest.mark.slow
+@pytest.mark.beside
 def test_pretrained_vit_weights_go_to_the_run_size_with_the_embedding_interpolated(monkeypatch):
     """Offline here, so the 'ImageNet' weights are a seeded random vit_b_16 at 224 handed out by the same
     get_model call; what is checked is the glue: every weight moves over, the position embedding is
@@ -137,6 +139,8 @@ def test_fsdp_on_vit_b_16_wraps_each_encoder_block(runs):
     load_bare(r.final(), "vit_b_16", image_size=32)
 
 
+@pytest.mark.slow
+@pytest.mark.beside
 def test_a_vit_is_split_between_its_encoder_blocks():
     """Model and pipeline parallelism cut a non-ResNet model between its blocks (common/pipeline.py): two
     balanced pieces of 6 EncoderBlocks, traced by torch.distributed.pipelining, with torchvision's names

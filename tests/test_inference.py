@@ -80,6 +80,8 @@ def test_onnx_parity(trained, tmp_path, precision, loader):
     assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # dynamic batch axis
 
 
+@pytest.mark.slow
+@pytest.mark.beside
 def test_onnx_export_leaves_the_measured_model_as_it_was(tmp_path):
     """The export is of an fp32 CPU copy: exporting in place would turn the bf16 (or CUDA) model being
     measured into fp32 on the CPU, and its reference logits would then mix dtypes and devices."""

@@ -15,7 +15,9 @@ def test_head_has_ten_classes(name):
     assert last.out_features == 10
 
 
-@pytest.mark.parametrize("name", ["resnet18", "vit_b_16", "convnext_tiny"])
+# the full-size ViT and ConvNeXt take seconds each: the slow tier, beside a launch (CONTRIBUTING.md)
+@pytest.mark.parametrize("name", ["resnet18", *(pytest.param(n, marks=[pytest.mark.slow, pytest.mark.beside])
+                                              for n in ("vit_b_16", "convnext_tiny"))])
 def test_grad_checkpointing_same_result_same_keys(name):
     """Each block recomputed in backward (common/models.py checkpointed): the same gradients, the same
     state_dict keys, the weights loading into the bare torchvision model. convnext's stochastic depth draws

@@ -96,6 +96,8 @@ print(adaptive, faults_per_cycle())
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt (musl's is a stub; none off Linux)")
+@pytest.mark.slow
+@pytest.mark.beside
 def test_a_cpu_run_keeps_the_memory_its_steps_free():
     """configure_backends on a CPU fixes glibc's thresholds (steady_host_allocator): a step's activations
     are not faulted in again every step, in some processes and not others

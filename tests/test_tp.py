@@ -19,6 +19,8 @@ def vit(**kw):
     return build_model(TrainConfig(model="vit_b_16", pretrained=False, image_size=32, **kw))
 
 
+@pytest.mark.slow
+@pytest.mark.beside
 def test_split_attention_is_torchvision_attention():
     """The same weights, the same forward and gradients, in training and eval mode (MultiheadAttention's
     fast path); the state_dict packs back into a bare torchvision ViT."""
