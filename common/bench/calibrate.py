@@ -544,16 +544,10 @@ def _plan(opts):
 
     import torch
 
-    from .matrix import read_presets, snake_args
+    from .matrix import read_preset
 
-    presets = read_presets(opts.matrix)
-    if opts.preset not in presets:
-        raise UsageError(f"unknown preset '{opts.preset}'; choose from {', '.join(sorted(presets))}")
-    spec = presets[opts.preset]
-    if not isinstance(spec, dict):
-        raise UsageError(f"{opts.matrix}: preset {opts.preset} must be a mapping (scripts:, runs:, args:, ...)")
-    # spelled as load_matrix spells the runs' (image-size: as image_size:), so calibrate measures what they run
-    args = snake_args(spec.get("args"), f"{opts.matrix}: {opts.preset}'s args")
+    # its args spelled as load_matrix spells the runs' (image-size: as image_size:): calibrate measures what they run
+    args = read_preset(opts.matrix, opts.preset)["args"]
     p = types.SimpleNamespace(args=args, model=opts.model or args.get("model", "resnet50"),
                               image=opts.image_size or int(args.get("image_size", 224)),
                               batch=opts.batch_size or int(args.get("batch_size", 128)),

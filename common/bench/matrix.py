@@ -52,12 +52,12 @@ def processes(script: str, gpus: int) -> int:
 
 def _entries(spec: dict, path: str) -> list[dict]:
     """The preset's run entries: the registry's default runs (scripts: all), changed or extended by `runs`."""
-    runs = list(spec.get("runs") or [])
-    for r in runs:
+    runs = []
+    for r in spec.get("runs") or []:
         if not isinstance(r, dict) or r.get("script") not in BY_FILE:
             raise UsageError(f"{path}: run {r} names no script of common/registry.py")
-        for k in ("args", "cpu_args", "gpu_args"):  # merged below: a list there was a TypeError
-            snake_args(r.get(k), f"{path}: run {r.get('name', r['script'])}'s {k}")
+        runs.append({**r, **{k: snake_args(r.get(k), f"{path}: run {r.get('name', r['script'])}'s {k}")
+                             for k in ("args", "cpu_args", "gpu_args")}})
     if spec.get("scripts") != "all":
         return runs
     out = []
@@ -110,14 +110,21 @@ def snake_args(args, where: str) -> dict:
     return {str(k).replace("-", "_"): v for k, v in (args or {}).items()}
 
 
-def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_dir: str = "") -> list[dict]:
-    """The preset's runs; save_dir (benchmark.py --save-dir) replaces every run's checkpoint folder."""
+def read_preset(path: str, preset: str) -> dict:
+    """One preset of a matrix file, refused in one line when the file has none of that name or it is not a
+    mapping; its args spelled as the config spells its fields (snake_args)."""
     presets = read_presets(path)
     if preset not in presets:
         raise UsageError(f"unknown preset '{preset}'; {path} has: {', '.join(presets)}")
     spec = presets[preset]
     if not isinstance(spec, dict):
         raise UsageError(f"{path}: preset {preset} must be a mapping (scripts:, runs:, args:, ...)")
+    return {**spec, "args": snake_args(spec.get("args"), f"{path}: {preset}'s args")}
+
+
+def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_dir: str = "") -> list[dict]:
+    """The preset's runs; save_dir (benchmark.py --save-dir) replaces every run's checkpoint folder."""
+    spec = read_preset(path, preset)
     runs, names = [], set()
     for run in _entries(spec, path):
         script = run["script"]
@@ -127,10 +134,9 @@ def load_matrix(path: str, preset: str, only: list[str] | None, gpus: int, save_
         if name in names:
             raise UsageError(f"{path}: run name {name} appears twice; give one a 'name'")
         names.add(name)
-        hw = {k: snake_args(run.get(k), f"{path}: {name}'s {k}") for k in ("gpu_args", "cpu_args")}
-        args = {**snake_args(spec.get("args"), f"{path}: {preset}'s args"),
-                **snake_args(run.get("args"), f"{path}: {name}'s args"),
-                **hw["gpu_args" if gpus else "cpu_args"], **({"save_dir": save_dir} if save_dir else {})}
+        hw = {k: run.get(k) or {} for k in ("gpu_args", "cpu_args")}  # spelled by _entries, as spec's args
+        args = {**spec["args"], **run.get("args", {}), **hw["gpu_args" if gpus else "cpu_args"],
+                **({"save_dir": save_dir} if save_dir else {})}
         timeout = run.get("timeout_s", spec.get("timeout_s", 3600))
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
             raise UsageError(f"{path}: {name}'s timeout_s must be a number of seconds > 0; got {timeout!r}")
