@@ -23,9 +23,10 @@ from .datasheet import hbm_tbps, pcie_gbps, sm_ghz
 from .links import LINKS, NCCL  # noqa: F401  (re-exported: advise lists them)
 
 # The project's own H100 (results/campaigns/2026-11-27_h100_throughput_b/summary.csv, one process, fp32,
-# ResNet50/224, batch 128, not rows of the check table): accelerate_DDP's optimizer phase, the fused SGD's
-# kernel, zero_grad and the LR scheduler, 0.478 ms where its bytes take 0.17; DeepSpeed ZeRO-2's, 10.0 ms for
-# ResNet50's 161 parameter tensors (its step walks them on the host: flattening, norms, copies back).
+# ResNet50/224, batch 128, not rows of the check table): accelerate_DDP's optimizer phase, the foreach SGD's
+# kernels (the campaigns predate the fused ones), zero_grad and the LR scheduler, 0.478 ms where its bytes take
+# 0.17; DeepSpeed ZeRO-2's, 10.0 ms for ResNet50's 161 parameter tensors (its step walks them on the host:
+# flattening, norms, copies back).
 OPT_HOST_MS = 0.478
 DS_PER_TENSOR_MS = 10.002 / 161
 # A for-loop optimizer (torch.optim without foreach, before torch 2.0): SGD's step over ResNet101's 314
