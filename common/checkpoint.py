@@ -71,6 +71,7 @@ def rng_state(loader) -> dict:
     gen = getattr(loader, "generator", None)
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "cuda_device": torch.cuda.current_device() if torch.cuda.is_available() else None,
             "loader": gen.get_state() if isinstance(gen, torch.Generator) else None}
 
 
@@ -78,8 +79,15 @@ def set_rng_state(state: dict, loader) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["random"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state["cuda"]
+    if cuda is not None and torch.cuda.is_available():
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        elif state.get("cuda_device") is not None and state["cuda_device"] < len(cuda):
+            # another GPU layout at the same world (1 node x 8 -> 2 x 4, or one GPU visible per process):
+            # set_rng_state_all would index past this process's devices (torch/cuda/random.py, IndexError);
+            # this rank's own device takes the state it had, the others keep theirs
+            torch.cuda.set_rng_state(cuda[state["cuda_device"]])
     gen = getattr(loader, "generator", None)
     if state["loader"] is not None and isinstance(gen, torch.Generator):
         gen.set_state(state["loader"])

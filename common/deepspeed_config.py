@@ -105,6 +105,9 @@ def resolve_ds_config(cfg: TrainConfig, path: str, world_size: int, micro_batch:
         if zero.get("stage", 0) < 2:
             raise UsageError("--offload needs ZeRO stage 2 or 3 (config/zero_stage2_config.json or stage3)")
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        # the optimizer is a torch one: with offload DeepSpeed refuses any but its CPUAdam/CPULion unless told
+        # (deepspeed/runtime/engine.py _configure_optimizer, ZeRORuntimeException); the shipped JSONs say so
+        ds.setdefault("zero_force_ds_cpu_optimizer", False)
         if zero["stage"] == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return ds, precision

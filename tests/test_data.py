@@ -176,6 +176,8 @@ def test_loader_rate_over_ranks(monkeypatch, per_rank, op, want):
     def fake_reduce(values, device, how):  # rank 0 measured 100 img/s, rank 1 50 (as if the group ran)
         calls.append(how)
         (k, v), = values.items()
+        if k == "short":  # neither rank is short of batches
+            return {k: v}
         return {k: 2 * v if how == "sum" else max(v, -50.0 if v < 0 else 50.0)}
 
     monkeypatch.setattr(loader_mod, "world_size", lambda: 2)
@@ -190,7 +192,7 @@ def test_loader_rate_over_ranks(monkeypatch, per_rank, op, want):
     monkeypatch.setattr("common.checkpoint.rng_state", lambda loader: None)
     monkeypatch.setattr("common.checkpoint.set_rng_state", lambda state, loader: None)
     rate = loader_mod.probe_loader(batches, cfg, hooks)
-    assert calls == ["max", "gc", "barrier", op] and rate == pytest.approx(want)  # "max": the batches agreed
+    assert calls == ["max", "max", "gc", "barrier", op] and rate == pytest.approx(want)  # the batches agreed
 
 
 def test_ranks_agree_to_skip_the_loader_probe(monkeypatch):
@@ -203,21 +205,36 @@ def test_ranks_agree_to_skip_the_loader_probe(monkeypatch):
 
     calls = []
 
-    def other_rank_has(n):
+    def other_rank_has(n, short=False):
         def fake_reduce(values, device, how):
             calls.append((how, values))
-            return {"b": max(values["b"], -float(n))}
+            return {k: max(v, float(short) if k == "short" else -float(n)) for k, v in values.items()}
         return fake_reduce
+
+    class Workers(list):  # a loader of 16 workers: batches in rounds of 16
+        num_workers = 16
 
     monkeypatch.setattr(loader_mod, "world_size", lambda: 2)
     monkeypatch.setattr(loader_mod, "barrier", lambda: calls.append("barrier"))
     cfg, hooks = SimpleNamespace(loader_probe_batches=4, batch_size=16), SimpleNamespace(device=torch.device("cpu"))
-    short = [(torch.zeros(8, 3, 2, 2), torch.zeros(8))]  # one batch: nothing to time after the first
+    batch = (torch.zeros(8, 3, 2, 2), torch.zeros(8))
+    short = [batch]  # one batch: nothing to time after the first
     monkeypatch.setattr(loader_mod, "reduce_metrics", other_rank_has(4))
-    assert loader_mod.probe_loader(short, cfg, hooks) is None and calls == [("max", {"b": 0.0})]
+    assert loader_mod.probe_loader(short, cfg, hooks) is None
+    assert calls == [("max", {"b": 0.0}), ("max", {"short": 1.0})]
     calls.clear()
     monkeypatch.setattr(loader_mod, "reduce_metrics", other_rank_has(0))
-    assert loader_mod.probe_loader(short * 8, cfg, hooks) is None and calls == [("max", {"b": -4.0})]
+    assert loader_mod.probe_loader(short * 8, cfg, hooks) is None
+    assert calls == [("max", {"b": -4.0}), ("max", {"short": 1.0})]
+    # the other rank can draw 12: no whole round of this rank's 16 workers, which says so to the ranks
+    # that could probe 12 (their workers 4 or fewer): none enters the probe's barrier alone
+    calls.clear()
+    monkeypatch.setattr(loader_mod, "reduce_metrics", other_rank_has(12))
+    assert loader_mod.probe_loader(Workers([batch] * 40), cfg, hooks) is None
+    assert calls == [("max", {"b": -16.0}), ("max", {"short": 1.0})]
+    calls.clear()
+    monkeypatch.setattr(loader_mod, "reduce_metrics", other_rank_has(12, short=True))  # seen from a 4-worker rank
+    assert loader_mod.probe_loader([batch] * 40, cfg, hooks) is None and "barrier" not in calls
 
 
 @pytest.mark.parametrize("rank, local, want", [

@@ -100,3 +100,25 @@ def test_resume_path_missing_or_corrupt(tmp_path):
     proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path, resume="auto", epochs=2))
     assert "is corrupt" in one_line_error(proc)
     assert len(rows(tmp_path / "summary.csv")) == 1  # only the first, complete run
+
+
+@pytest.mark.parametrize("visible, saved_on, want", [
+    (2, 1, [("all", 2)]),  # the same layout: every device's state back
+    (1, 1, [("one", "s1")]),  # 1 node x 2 GPUs -> one GPU visible per process: this rank's own state
+    (1, None, []),  # a checkpoint from before the device was saved: the fresh state stays
+])
+def test_cuda_random_state_resumes_under_another_gpu_layout(monkeypatch, visible, saved_on, want):
+    """CPU twin of a CUDA line: set_rng_state_all with more saved states than visible GPUs raises IndexError
+    (torch/cuda/random.py indexes default_generators), a failed resume where the world size is the same."""
+    from common import checkpoint
+
+    calls, state = [], checkpoint.rng_state(None)  # this host's, before CUDA is faked
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: calls.append(("all", len(states))))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": calls.append(("one", s)))
+    state = {**state, "cuda": ["s0", "s1"], "cuda_device": saved_on}
+    if saved_on is None:
+        del state["cuda_device"]
+    checkpoint.set_rng_state(state, None)
+    assert calls == want

@@ -64,3 +64,17 @@ def test_the_strategy_table_answers_what_the_names_spelled():
     assert zero1.zero_stage == 1 and zero1.offload and not zero1.sized
     assert of("pp_1f1b").family == "pp" and not of("pp_1f1b").sized and of("mp").family == "mp"
     assert of("no_such_strategy") is None
+
+
+def test_offload_with_a_users_json_lets_deepspeed_take_the_torch_optimizer(tmp_path):
+    """--offload with a JSON that does not say zero_force_ds_cpu_optimizer: DeepSpeed would refuse the torch
+    optimizer (deepspeed/runtime/engine.py _configure_optimizer raises ZeRORuntimeException); a JSON that says
+    it keeps its own word."""
+    from common.deepspeed_config import resolve_ds_config
+
+    cfg = TrainConfig(model="resnet18", image_size=32, batch_size=16)
+    for given, want in (({}, False), ({"zero_force_ds_cpu_optimizer": True}, True)):
+        path = tmp_path / "mine.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": 2}, **given}))
+        ds, _ = resolve_ds_config(cfg, str(path), 2, 8, offload=True)
+        assert ds["zero_force_ds_cpu_optimizer"] is want and ds["zero_optimization"]["offload_optimizer"]

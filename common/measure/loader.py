@@ -18,6 +18,19 @@ import time
 from ..distributed import barrier, reduce_metrics, synchronize, world_size
 
 
+def _agreed(batches: int, workers: int, device) -> int:
+    """The batches this rank probes, 0 on every rank where any rank has none: workers are sized from each
+    node's own cores, and a rank that skipped the probe's collectives while the others entered them would
+    hang them."""
+    fewest = reduce_metrics({"b": -float(batches)}, device, "max")["b"]  # the fewest any rank can draw
+    batches = batches if fewest is None else int(-fewest)  # None: unreadable (meta)
+    if workers > 1:
+        batches -= batches % workers  # whole rounds of this rank's workers again
+    # and agree again: 12 agreed batches are no round of a rank's 16 workers, which would skip alone
+    short = reduce_metrics({"short": float(batches < 1)}, device, "max")["short"]
+    return 0 if short else batches
+
+
 def probe_loader(loader, cfg, hooks) -> float | None:
     """Images per second of the pipeline over all ranks, or None when switched off."""
     batches = cfg.loader_probe_batches
@@ -34,12 +47,8 @@ def probe_loader(loader, cfg, hooks) -> float | None:
     batches = min(batches, len(loader) - 1 - first)
     if workers > 1:  # a short loader's cap keeps whole rounds too (8 batches of 2 workers: 4, not 5)
         batches -= batches % workers
-    if world_size() > 1:  # the fewest any rank can draw: workers are sized from each node's own cores, and a
-        # rank that skipped the collectives below while the others entered them would hang them
-        fewest = reduce_metrics({"b": -float(batches)}, hooks.device, "max")["b"]  # None: unreadable (meta)
-        batches = batches if fewest is None else int(-fewest)
-        if workers > 1:
-            batches -= batches % workers  # whole rounds of this rank's workers again
+    if world_size() > 1:
+        batches = _agreed(batches, workers, hooks.device)
     if batches < 1:
         return None
     from ..checkpoint import rng_state, set_rng_state
