@@ -23,7 +23,6 @@ from common import (
     DistributedConfig,
     ScaledStep,
     TrainHooks,
-    UsageError,
     build_loaders,
     build_model,
     build_optimizer,
@@ -34,6 +33,7 @@ from common import (
     init_distributed,
     launch,
     opt,
+    require_cuda,
     save_final,
     steps_per_epoch,
 )
@@ -54,8 +54,7 @@ def main(cfg):
 
     model = build_model(cfg).to(device)
     if cfg.sync_bn:
-        if device.type != "cuda":
-            raise UsageError("--sync-bn needs CUDA devices (SyncBatchNorm has no CPU kernel)")
+        require_cuda(device, "--sync-bn needs CUDA devices (SyncBatchNorm has no CPU kernel)")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = build_optimizer(cfg, model.parameters())

@@ -28,7 +28,6 @@ from common import (  # noqa: E402
     DeepSpeedCheckpointer,
     DistributedConfig,
     TrainHooks,
-    UsageError,
     barrier,
     build_loaders,
     build_model,
@@ -42,6 +41,7 @@ from common import (  # noqa: E402
     launch,
     opt,
     per_rank_batch,
+    require_cuda,
     save_final,
     steps_per_epoch,
 )
@@ -63,8 +63,8 @@ def main(cfg):
     join_deepspeed(cfg)  # DeepSpeed's comm layer over this group, with --dist-timeout-s
     rank, world_size, device = info.rank, info.world_size, info.device
     configure_backends(cfg, device)
-    if cfg.offload and device.type != "cuda":
-        raise UsageError("--offload moves ZeRO state from GPU to host memory: it needs CUDA devices")
+    if cfg.offload:
+        require_cuda(device, "--offload moves ZeRO state from GPU to host memory: it needs CUDA devices")
     ds_config, precision = resolve_ds_config(cfg, cfg.deepspeed_config, world_size, per_rank_batch(cfg, world_size),
                                              cfg.offload)
     check_dtype_support(precision, device, cfg)

@@ -38,6 +38,7 @@ from common import (
     init_distributed,
     launch,
     opt,
+    require_cuda,
     save_final,
     steps_per_epoch,
 )
@@ -70,8 +71,8 @@ def main(cfg):
     rank, world_size, device = info.rank, info.world_size, info.device
     configure_backends(cfg, device)
     check_dtype_support(cfg.precision, device, cfg)
-    if cfg.cpu_offload and device.type != "cuda":
-        raise UsageError("--cpu-offload moves sharded state from GPU to host memory: it needs CUDA devices")
+    if cfg.cpu_offload:
+        require_cuda(device, "--cpu-offload moves sharded state from GPU to host memory: it needs CUDA devices")
     dtype = DTYPES[cfg.precision]
     train_loader, test_loader = build_loaders(cfg, rank, world_size, device)
 

@@ -32,7 +32,8 @@ _FROM = {
     "UsageError": "config", "opt": "config", "parse_config": "config", "build_loaders": "data",
     "per_rank_batch": "data", "DistInfo": "distributed", "barrier": "distributed", "cleanup": "distributed",
     "global_rank": "distributed", "init_distributed": "distributed", "pick_device": "distributed",
-    "require_single_process": "distributed", "build_model": "models", "build_optimizer": "optim",
+    "require_single_process": "distributed", "require_cuda": "distributed", "build_model": "models",
+    "build_optimizer": "optim",
     "build_scheduler": "optim", "optimizer_spec": "optim", "steps_per_epoch": "optim", "DTYPES": "precision",
     "ScaledStep": "precision", "check_dtype_support": "precision", "configure_backends": "precision",
     "launch": "runner", "Metrics": "train", "TrainHooks": "train", "evaluate": "train", "fit": "train",
@@ -58,7 +59,7 @@ __all__ = [
     "ZeroCheckpointer",
     "save_final", "DistributedConfig", "EvalConfig", "TrainConfig", "UsageError", "opt", "parse_config",
     "build_loaders", "per_rank_batch", "DistInfo", "barrier", "cleanup", "global_rank", "init_distributed",
-    "pick_device", "require_single_process", "build_model", "build_optimizer", "build_scheduler",
+    "pick_device", "require_single_process", "require_cuda", "build_model", "build_optimizer", "build_scheduler",
     "optimizer_spec", "steps_per_epoch", "DTYPES", "ScaledStep", "check_dtype_support", "configure_backends",
     "launch", "Metrics", "TrainHooks", "evaluate", "fit",
 ]

@@ -177,6 +177,13 @@ def require_single_process(script: str, instead: str = "") -> None:
                          f"or {instead or f'use pytorch_DDP.py for {n} processes'}")
 
 
+def require_cuda(device: torch.device, message: str) -> None:
+    """A flag whose work exists on CUDA only (SyncBatchNorm's kernels, offload from device to host memory)
+    refuses another device in one line. On CPU, tests/twins/cuda_flags_on_cpu.py lifts it and runs the path."""
+    if device.type != "cuda":
+        raise UsageError(message)
+
+
 def cleanup(wait_for_all: bool = False) -> None:
     """Tears the process group down while the interpreter is fully alive.
 

@@ -177,6 +177,20 @@ CASES.update({name: replace(CASES[base], over=tuple(sorted({**dict(CASES[base].o
     # the other schedule and an explicit split (test_equivalence)
     ("pytorch_PP-fp32-1f1b", "pytorch_PP-fp32", {"schedule": "1f1b", "split": "2,2"}, None),
 ]})
+# the flags that need CUDA, on CPU through tests/twins/cuda_flags_on_cpu.py: FSDP's and DeepSpeed's offload (its
+# ZeRO-3 JSON: parameters and optimizer state in host memory) as their fp32 runs at 3 ranks, the steps of one
+# process (test_equivalence); SyncBatchNorm with BatchNorm in train mode, one step of 3 x 4 beside one process's
+# step of 12 (its gradients through BatchNorm are float32-exact after one step; later ones amplify rounding)
+CUDA_TWIN = "tests/twins/cuda_flags_on_cpu.py"
+BN_TRAIN = {**EQUAL, "freeze_bn": False, "batch_size": 12, "train_samples": 12}
+CASES.update({name: replace(CASES[base], over=tuple(sorted({**dict(CASES[base].over), **more}.items())),
+                             twin=(CUDA_TWIN, CASES[base].script))
+              for name, base, more in [
+    ("pytorch_FSDP-cpu-offload-twin", "pytorch_FSDP-fp32", {"cpu_offload": True}),
+    ("pytorch_DeepSpeed-offload-twin", "pytorch_DeepSpeed-fp32", {"offload": True}),
+    ("pytorch_DDP-sync-bn-twin", "pytorch_DDP-fp32", {**BN_TRAIN, "sync_bn": True}),
+]})
+CASES["pytorch_SingleGPU-bn-train"] = Launch("pytorch_SingleGPU.py", "fp32", tuple(sorted(BN_TRAIN.items())))
 # test_reliability's uninterrupted reference for a run whose rank 1 is killed and restarted: TINY's flags, 3 epochs
 CASES["pytorch_DDP-fp32-3epochs"] = Launch("pytorch_DDP.py", "fp32", (("epochs", 3),), 2, "torchrun")
 # test_memory's model state at 3 ranks (3 divides none of resnet18's parameter counts: padded, uneven shards)

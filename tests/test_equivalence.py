@@ -30,6 +30,11 @@ TOLERANCE = 1e-4
 SAME = ["pytorch_DDP-fp32", "pytorch_DDP_ZeRO-fp32", "pytorch_FSDP-fp32", "pytorch_DeepSpeed-fp32",
         "pytorch_DDP-fp32-accum2", "pytorch_PP-fp32", "pytorch_PP-fp32-1f1b", "pytorch_MP-fp32",
         "accelerate_DDP-fp32", "accelerate_DeepSpeed-fp32"]
+# the same runs with their state in host memory, through the CPU twin of the CUDA-only flags
+# (tests/twins/cuda_flags_on_cpu.py): FSDP2's CPUOffloadPolicy, DeepSpeed's ZeRO-3 offload of parameters and
+# optimizer state
+OFFLOADED = {"pytorch_FSDP-cpu-offload-twin": "fsdp_full-shard_offload",
+             "pytorch_DeepSpeed-offload-twin": "deepspeed_zero3_offload"}
 
 
 def final(result):
@@ -37,7 +42,7 @@ def final(result):
     return torch.load(result.final(), map_location="cpu", weights_only=True)
 
 
-@pytest.mark.parametrize("name", SAME)
+@pytest.mark.parametrize("name", SAME + list(OFFLOADED))
 @pytest.mark.launches("pytorch_SingleGPU-fp32", "{name}")
 def test_same_weights_as_one_process(runs, name):
     """DeepSpeed and accelerate's DeepSpeed run ZeRO-3 (their fp32 JSON); the pipelines cut each batch
@@ -54,6 +59,25 @@ def test_same_weights_as_one_process(runs, name):
     assert moved > 100 * TOLERANCE  # training really changed the weights
     assert diff < TOLERANCE
     assert abs(loss - ref_loss) < 1e-4
+    if name in OFFLOADED:
+        assert (r.row["strategy"], r.row["offload"]) == (OFFLOADED[name], "True"), r.row
+
+
+@pytest.mark.launches("pytorch_SingleGPU-bn-train", "pytorch_DDP-sync-bn-twin")
+def test_sync_bn_normalizes_each_rank_by_the_global_batch(runs):
+    """--sync-bn (through its CPU twin) with BatchNorm in train mode: each rank's 4 images are normalized by
+    the mean and variance of all 12, so one step at 3 ranks is one process's step of 12, its weights and its
+    running statistics (one step: later steps amplify float32 rounding through BatchNorm's backward, to 1e-3
+    after four). Without SyncBatchNorm each rank normalizes by its own 4 images: the running variances end
+    about 1 apart."""
+    one, r = runs
+    ref_sd, sd = final(one), final(r)
+    assert any(k.endswith("running_var") for k in ref_sd)
+    diff = max((sd[k].float() - ref_sd[k].float()).abs().max().item() for k in ref_sd)
+    moved = max((ref_sd[k] - 1).abs().max().item() for k in ref_sd if k.endswith("running_var"))  # from 1 at init
+    print(f"sync-bn: max |w - w_single| = {diff:.2e} (running statistics included), statistics moved {moved:.2f}")
+    assert moved > 100 * TOLERANCE and diff < TOLERANCE
+    assert abs(float(r.row["train_loss"]) - float(one.row["train_loss"])) < 1e-4
 
 
 def final_init(key, ref_sd):

@@ -4,11 +4,16 @@ import os
 import subprocess
 import sys
 
+import launches
 import pytest
+import torch
 from helpers import ROOT, TINY, clean_env, rows, tiny_args
 from slurm_cluster import Cluster, ClusterError, missing_tools
+from test_comm import RESNET18_PARAMS
 
+from common.config import TrainConfig
 from common.launching import free_port
+from common.models import blocks, build_model
 from common.registry import SCRIPTS
 
 
@@ -120,6 +125,43 @@ def test_accelerate_deepspeed_through_the_accelerate_template_on_two_nodes(clust
     assert row["status"] == "ok" and row["world_size"] == "2" and row["strategy"] == "accelerate_deepspeed_zero2", row
     assert int(row["test_samples"]) == 37
     assert all(ln in text for ln in gloo_lines()), text[-3000:]
+
+
+@pytest.mark.beside
+@pytest.mark.slow
+@pytest.mark.launches("pytorch_SingleGPU-fp32", "pytorch_FSDP-fp32")
+def test_fsdp_hybrid_sharding_on_two_nodes_trains_like_one_process(cluster, runs, tmp_path):
+    """--sharding hybrid as a cluster runs it: slurm/torchrun.sbatch on 2 nodes x 2 processes, so each node's
+    pair shards the model and the nodes replicate it (pytorch_FSDP.py build_mesh: a 2 x 2 mesh from torchrun's
+    LOCAL_WORLD_SIZE; FSDP2 reduce-scatters within a node, all-reduces across). The batch of 12 over 4 ranks
+    trains as the shared one-process run does (tests/launches.py EQUAL: no augmentation, frozen BatchNorm; 4
+    steps), to test_equivalence's tolerance, and sends what full sharding sends plus the all-reduce across nodes."""
+    one, full = runs
+    log, cpus = tmp_path / "job.log", min(2, len(os.sched_getaffinity(0)))
+    args = tiny_args(tmp_path, **{**launches.EQUAL, **launches.AT_3, "sharding": "hybrid", "epoch_checkpoints": False})
+    proc = subprocess.run(["sbatch", "--wait", "--nodes=2", f"--cpus-per-task={cpus}", f"--output={log}",
+                           "slurm/torchrun.sbatch", "pytorch_FSDP.py", *args], cwd=ROOT,
+                          env={**slurm_env(cluster), "RDZV_PORT": str(free_port()), "GPUS_PER_NODE": "2"},
+                          capture_output=True, text=True, timeout=300)
+    text = log.read_text() if log.exists() else ""
+    assert proc.returncode == 0, (proc.stderr, text[-4000:])
+    assert "2 nodes x 2 processes" in text, text[-3000:]
+    (row,) = rows(tmp_path / "summary.csv")
+    assert (row["status"], row["strategy"], row["world_size"], row["local_world_size"]) == \
+        ("ok", "fsdp_hybrid", "4", "2"), row
+    assert int(row["test_samples"]) == 37
+    (final,) = tmp_path.glob("ckpt/**/pytorch_FSDP/model_final.pt")  # the flags' --save-dir, after the template's
+    sd, ref = (torch.load(f, map_location="cpu", weights_only=True) for f in (final, one.final()))
+    diff = max((sd[k] - ref[k]).abs().max().item() for k in ref if ref[k].is_floating_point())
+    assert diff < 1e-4, diff  # test_equivalence.TOLERANCE
+    assert abs(float(row["train_loss"]) - float(one.row["train_loss"])) < 1e-4
+    # beyond full sharding's collectives (the shared 3-rank run: calls per step do not depend on the world
+    # size), one all-reduce per FSDP unit a step across the nodes, of the node's half of the fp32 gradients
+    # (less the padding of 3-rank shards, which full sharding's own gathers and reduce-scatters carry: 2.3%)
+    units = 1 + len(list(blocks(build_model(TrainConfig(model="resnet18", pretrained=False)))))
+    assert float(row["comm_calls_per_step"]) - float(full.row["comm_calls_per_step"]) == units
+    extra = float(row["comm_bytes_per_step"]) - float(full.row["comm_bytes_per_step"])
+    assert extra == pytest.approx(4 * RESNET18_PARAMS / 2, rel=0.05), extra
 
 
 @pytest.mark.beside

@@ -388,6 +388,30 @@ def test_sharded_strategies_at_two_ranks(tmp_path, script, extra):
     assert as_float(row, "comm_bytes_per_step") > 0
 
 
+@pytest.mark.parametrize("script, extra, strategy", [
+    ("pytorch_DDP.py", {"sync_bn": True}, "ddp"), ("pytorch_FSDP.py", {"cpu_offload": True}, "fsdp_full-shard_offload"),
+    ("pytorch_DeepSpeed.py", {"offload": True}, "deepspeed_zero2_offload"),
+    ("pytorch_DeepSpeed.py", {"offload": True, "deepspeed_config": "config/zero_stage3_config.json"},
+     "deepspeed_zero3_offload"),
+    ("pytorch_FSDP.py", {"sharding": "hybrid"}, "fsdp_hybrid")])
+def test_cuda_only_flags(tmp_path, script, extra, strategy):
+    """The flags whose CPU runs are twins (tests/twins/cuda_flags_on_cpu.py), on the GPUs this machine has (2 at
+    most; one is enough for the CUDA paths: SyncBatchNorm's layers in a CUDA DDP module, offload to pinned host
+    memory and back, a hybrid mesh of one node): an ok row that names the strategy and counted its collectives.
+    FSDP2's offload leaves no model state on the GPU after the step: the shards live on the host
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py: offload_to_cpu moves the sharded parameter to CPU, and
+    the reduce-scattered gradient with it; the optimizer's state follows its parameters)."""
+    world = min(GPUS, 2)
+    check_ok(run(script, gpu_args(tmp_path, world=world, **{"model": "resnet18", **extra}), nproc=world,
+                 launcher="torchrun"))
+    (row,) = rows(tmp_path / "summary.csv")
+    check_gpu_row(row, world)
+    assert row["strategy"] == strategy and row["offload"] == str("offload" in strategy), row
+    assert world == 1 or as_float(row, "comm_bytes_per_step") > 0
+    if strategy == "fsdp_full-shard_offload":
+        assert as_float(row, "model_state_gib") < 1e-3, row["model_state_gib"]
+
+
 def test_more_processes_than_gpus_is_refused_in_one_line(tmp_path):
     """torchrun --nproc-per-node GPUs+1: two ranks would share a GPU and NCCL fail with "Duplicate GPU
     detected"; every rank refuses first (common/distributed.py pick_device), in one line (exit 2, which
