@@ -178,17 +178,18 @@ CASES.update({name: replace(CASES[base], over=tuple(sorted({**dict(CASES[base].o
     ("pytorch_PP-fp32-1f1b", "pytorch_PP-fp32", {"schedule": "1f1b", "split": "2,2"}, None),
 ]})
 # the flags that need CUDA, on CPU through tests/twins/cuda_flags_on_cpu.py: FSDP's and DeepSpeed's offload (its
-# ZeRO-3 JSON: parameters and optimizer state in host memory) as their fp32 runs at 3 ranks, the steps of one
+# ZeRO-3 JSON: parameters and optimizer state in host memory) as their fp32 runs, at 2 ranks of 6 (one process
+# fewer on 2 cores; the uneven shards are the 3-rank runs'), the steps of one
 # process (test_equivalence); SyncBatchNorm with BatchNorm in train mode, one step of 3 x 4 beside one process's
 # step of 12 (its gradients through BatchNorm are float32-exact after one step; later ones amplify rounding)
 CUDA_TWIN = "tests/twins/cuda_flags_on_cpu.py"
 BN_TRAIN = {**EQUAL, "freeze_bn": False, "batch_size": 12, "train_samples": 12}
 CASES.update({name: replace(CASES[base], over=tuple(sorted({**dict(CASES[base].over), **more}.items())),
-                             twin=(CUDA_TWIN, CASES[base].script))
-              for name, base, more in [
-    ("pytorch_FSDP-cpu-offload-twin", "pytorch_FSDP-fp32", {"cpu_offload": True}),
-    ("pytorch_DeepSpeed-offload-twin", "pytorch_DeepSpeed-fp32", {"offload": True}),
-    ("pytorch_DDP-sync-bn-twin", "pytorch_DDP-fp32", {**BN_TRAIN, "sync_bn": True}),
+                             twin=(CUDA_TWIN, CASES[base].script), nproc=nproc)
+              for name, base, more, nproc in [
+    ("pytorch_FSDP-cpu-offload-twin", "pytorch_FSDP-fp32", {"cpu_offload": True}, 2),
+    ("pytorch_DeepSpeed-offload-twin", "pytorch_DeepSpeed-fp32", {"offload": True}, 2),
+    ("pytorch_DDP-sync-bn-twin", "pytorch_DDP-fp32", {**BN_TRAIN, "sync_bn": True}, 3),
 ]})
 CASES["pytorch_SingleGPU-bn-train"] = Launch("pytorch_SingleGPU.py", "fp32", tuple(sorted(BN_TRAIN.items())))
 # test_reliability's uninterrupted reference for a run whose rank 1 is killed and restarted: TINY's flags, 3 epochs

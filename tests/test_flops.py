@@ -16,6 +16,8 @@ def published_train_gflop(model: str) -> float:
     return torchvision.models.get_model_weights(model).DEFAULT.meta["_ops"] * 2 * 3
 
 
+@pytest.mark.beside
+@pytest.mark.slow  # ResNet50's FLOPs counted at 224 and 448 px: ~2 s
 def test_resnet50_training_flops_match_the_published_count_and_scale_with_image_area():
     at_224 = train_flops_per_image("resnet50", 224) / 1e9
     assert at_224 == pytest.approx(published_train_gflop("resnet50"), rel=0.05)  # ~4.1 GMAC forward
@@ -23,6 +25,8 @@ def test_resnet50_training_flops_match_the_published_count_and_scale_with_image_
     assert train_flops_per_image("resnet50", 448) / 1e9 / at_224 == pytest.approx(4.0, rel=0.01)
 
 
+@pytest.mark.beside
+@pytest.mark.slow  # MobileNet's FLOPs counted at 224 px: ~1.5 s
 def test_depthwise_convolutions_are_counted_once_per_gradient():
     """torch's conv backward formula ignores groups: MobileNet would come out ~10x too high."""
     got = train_flops_per_image("mobilenet_v3_small", 224) / 1e9

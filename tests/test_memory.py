@@ -82,13 +82,17 @@ class LiveStorages(TorchDispatchMode):
         return sum(n for key, (ref, n) in self.refs.items() if not ref.expired() and key not in owned)
 
 
+HEAVY = [pytest.mark.slow, pytest.mark.beside]  # a real forward of a full-size ViT, ConvNeXt or ResNet50: 0.7-2 s
+
+
 @pytest.mark.parametrize("model, size, checkpointing", [
-    ("resnet18", 32, False), ("resnet18", 64, False), ("resnet50", 32, False), ("resnet50", 64, False),
+    ("resnet18", 32, False), ("resnet18", 64, False),
+    *(pytest.param("resnet50", size, False, marks=HEAVY) for size in (32, 64)),
     # --grad-checkpointing: what stays saved is what outside the blocks saves and each block's input
-    ("resnet18", 64, True), ("vit_b_16", 32, False), ("vit_b_16", 32, True), ("convnext_tiny", 32, False),
-    ("convnext_tiny", 32, True),
+    ("resnet18", 64, True),
+    *(pytest.param(m, 32, ck, marks=HEAVY) for m in ("vit_b_16", "convnext_tiny") for ck in (False, True)),
     # 197 tokens: the attention a fused kernel runs saves no 197 x 197 weights (memory._fused_attention)
-    ("vit_b_16", 224, False)])
+    pytest.param("vit_b_16", 224, False, marks=HEAVY)])
 def test_activation_prediction_against_a_real_forward(model, size, checkpointing):
     class Cfg:
         pretrained, channels_last = False, False
@@ -284,6 +288,8 @@ def test_the_readme_sharding_table_is_the_memory_model():
     assert recommend(preds, opts).startswith("deepspeed_zero1:") and "24 GiB DeepSpeed ZeRO-1" in table
 
 
+@pytest.mark.beside
+@pytest.mark.slow  # every strategy predicted, three times over: ~1.6 s
 def test_advise_when_nothing_fits_suggests_only_what_was_not_tried():
     from argparse import Namespace
 

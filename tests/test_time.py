@@ -802,6 +802,8 @@ def test_zero3_gathers_once_while_its_reuse_distance_holds_the_weights():
     assert bucketed.comm_ms > predict_step(setup("deepspeed_zero3"), C, FAST, overlap=False).comm_ms
 
 
+@pytest.mark.beside
+@pytest.mark.slow  # builds resnet18, resnet50 and mobilenet_v2 for their parameter counts: ~2 s
 def test_calibrate_times_collectives_up_to_the_models_whole_gradient():
     """--link-max-bytes auto: the power of two at or above the model's fp32 parameters, at least 32 MiB
     (DeepSpeed's one bucket and its all-gather carry them whole)."""
@@ -1301,6 +1303,8 @@ def test_every_stored_grid_has_its_figures_as_run():
     assert STORED and STORED == sorted(AS_RUN)
 
 
+@pytest.mark.beside
+@pytest.mark.slow  # each grid's rows predicted again: ~1 s each, 8.5 s for the 7
 @pytest.mark.parametrize("grid", STORED)
 def test_the_step_model_does_no_worse_on_the_stored_grids(grid):
     """Grids measured on this project's machines (results/campaigns/: a campaign's rows of `benchmark.py --preset time
@@ -1376,6 +1380,8 @@ def test_report_scaling_puts_the_predicted_efficiency_beside_the_measured(tmp_pa
     assert "| fsdp_full-shard | fp32 | 2 | 32 | 120.0 | 180.0 | 67 | – | – |" in text
 
 
+@pytest.mark.beside
+@pytest.mark.slow  # advise on resnet50 at 224 px, every strategy: ~4 s
 def test_advise_ranks_strategies_by_predicted_speed(capsys):
     import benchmark
 

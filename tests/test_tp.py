@@ -81,6 +81,8 @@ def test_the_default_degree_keeps_every_tp_group_on_one_node():
     assert default_degree(4, b16, {}) == 4  # no launcher says: one node
 
 
+@pytest.mark.beside
+@pytest.mark.slow  # advise on vit_b_16 at 224 px: ~3 s
 def test_advise_rows_for_a_vit():
     """advise on a ViT: tp over every GPU (when it divides the heads) and tp x FSDP on the 2-D mesh; the
     tp rank holds half of every split layer, so its model state is below DDP's and above full sharding's."""
@@ -100,6 +102,8 @@ def test_advise_rows_for_a_vit():
     assert not {s.strategy for s in setups(opts)} & {"tp", "tp_fsdp"}
 
 
+@pytest.mark.beside
+@pytest.mark.slow  # advise on vit_b_16: ~1.5 s
 def test_advise_says_why_a_tp_row_is_left_out(capsys):
     """A tp layout pytorch_TP.py cannot run is not a silent gap in advise's table: one line says why."""
     import argparse
@@ -162,6 +166,8 @@ def test_tp_trains_like_one_process(runs, name, world):
     assert math.isclose(float(row["test_accuracy"]), float(one.row["test_accuracy"]))
 
 
+@pytest.mark.beside
+@pytest.mark.slow  # vit_b_16's step predicted per strategy: ~1.6 s
 def test_the_step_model_of_tensor_parallelism():
     """A tp rank computes its share of the FLOPs (half of vit_b_16's, whose Linears are nearly all of them)
     and waits on 4 activation all-reduces per block even where collectives overlap compute (each one's
