@@ -109,6 +109,8 @@ def test_activation_prediction_against_a_real_forward(model, size, checkpointing
     del loss
 
 
+@pytest.mark.beside
+@pytest.mark.slow  # vit_b_16 walked with and without checkpointing: ~0.8 s
 def test_checkpointing_keeps_the_inputs_and_recomputes_the_largest_block():
     """activation_bytes with --grad-checkpointing: the checkpointed walk plus the largest block's own
     activations (one block recomputed at a time), far below the plain walk for a deep model."""
@@ -123,6 +125,8 @@ def test_checkpointing_keeps_the_inputs_and_recomputes_the_largest_block():
     assert activation_bytes(Setup(**base)) == plain
 
 
+@pytest.mark.beside
+@pytest.mark.slow  # ResNet50 at 224 px walked twice: ~1.2 s
 def test_prediction_without_allocating():
     """ResNet50/224 at batch 128 on the meta device: the articles' single-GPU setup, no memory used."""
     p = predict(Setup(model="resnet50", image_size=224, batch_size=128))
