@@ -7,6 +7,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from . import distributed
 from .config import TrainConfig, UsageError
 
 
@@ -93,9 +94,8 @@ def process_group_kwargs(cfg: TrainConfig) -> list:
 
 
 def require_cuda(device: torch.device, what: str) -> None:
-    if device.type != "cuda":
-        raise UsageError(f"{what} needs CUDA devices (on CPU accelerate drops the plugin and every rank "
-                         f"trains alone); for FSDP on CPU use pytorch_FSDP.py")
+    distributed.require_cuda(device, f"{what} needs CUDA devices (on CPU accelerate drops the plugin and every "
+                                     "rank trains alone); for FSDP on CPU use pytorch_FSDP.py")
 
 
 class AccelerateStep:

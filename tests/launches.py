@@ -164,9 +164,16 @@ CASES.update({
     "accelerate_FSDP-twin-bf16": Launch("accelerate_FSDP.py", "bf16", (("clip_grad_norm", 1.0), ("model", HALF_MODEL)),
                                         2, "torchrun", twin=("tests/twins/accelerate_fsdp_on_cpu.py",)),
 })
-CASES.update({name: replace(CASES[base], over=tuple(sorted({**dict(CASES[base].over), **more}.items())),
-                             nproc=nproc or CASES[base].nproc)
-              for name, base, more, nproc in [
+
+
+def variant(base: str, more: dict, nproc: int | None = None, twin: tuple = ()) -> Launch:
+    """CASES[base] with `more` over its flags, and another process count or twin where given."""
+    case = CASES[base]
+    return replace(case, over=tuple(sorted({**dict(case.over), **more}.items())), nproc=nproc or case.nproc,
+                   twin=twin or case.twin)
+
+
+CASES.update({name: variant(base, more, nproc) for name, base, more, nproc in [
     # pytorch_DDP-fp32 again with the harness's metric all-reduces in every step (DDP's calls per step do not
     # depend on the world size: 2 ranks, one import fewer than 3)
     ("pytorch_DDP-fp32-log1", "pytorch_DDP-fp32", {"log_every": 1}, 2),
@@ -184,9 +191,7 @@ CASES.update({name: replace(CASES[base], over=tuple(sorted({**dict(CASES[base].o
 # step of 12 (its gradients through BatchNorm are float32-exact after one step; later ones amplify rounding)
 CUDA_TWIN = "tests/twins/cuda_flags_on_cpu.py"
 BN_TRAIN = {**EQUAL, "freeze_bn": False, "batch_size": 12, "train_samples": 12}
-CASES.update({name: replace(CASES[base], over=tuple(sorted({**dict(CASES[base].over), **more}.items())),
-                             twin=(CUDA_TWIN, CASES[base].script), nproc=nproc)
-              for name, base, more, nproc in [
+CASES.update({name: variant(base, more, nproc, (CUDA_TWIN, CASES[base].script)) for name, base, more, nproc in [
     ("pytorch_FSDP-cpu-offload-twin", "pytorch_FSDP-fp32", {"cpu_offload": True}, 2),
     ("pytorch_DeepSpeed-offload-twin", "pytorch_DeepSpeed-fp32", {"offload": True}, 2),
     ("pytorch_DDP-sync-bn-twin", "pytorch_DDP-fp32", {**BN_TRAIN, "sync_bn": True}, 3),
