@@ -26,6 +26,7 @@ from .distributed import (
     restarts,
     world_size,
 )
+from .fastexit import freeze_imports
 from .measure.fingerprint import device_name, fingerprint
 from .registry import script as registry_entry
 from .results import append_row, check_results_path, write_figures
@@ -88,6 +89,9 @@ def launch(main, script_file: str, cfg_cls=TrainConfig, **defaults) -> None:
             check_results_path(cfg.results)
         if cfg.save_dir and os.path.exists(cfg.save_dir) and not os.path.isdir(cfg.save_dir):
             raise UsageError(f"--save-dir {cfg.save_dir}: a file, not a folder (weights go in <save-dir>/<script>/)")
+        from . import models  # noqa: F401  torchvision and torch._dynamo, which every run imports: frozen with the rest
+
+        freeze_imports()
         out = main(cfg)
         metrics, overrides = out if isinstance(out, tuple) else (out, {})
         row_extra = {**metrics.row(), **overrides}

@@ -222,3 +222,6 @@ def no_collection_before_the_window(monkeypatch):
 
     for module in ("common.train", "common.measure.loader"):  # their own name only: gc itself stays
         monkeypatch.setattr(f"{module}.gc", SimpleNamespace(collect=lambda *a: 0))
+    # a runner.launch() in pytest's process would freeze every earlier test's garbage for the session
+    # (common/fastexit.py); test_guards checks when a run freezes
+    monkeypatch.setattr("common.runner.freeze_imports", lambda: None)

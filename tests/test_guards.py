@@ -132,3 +132,24 @@ def test_only_global_rank_0_counts_and_predicts_what_only_its_row_shows(monkeypa
     assert seen["figures1"] is None and seen["figures0"] == {k: v for k, v in seen["figures0"].items() if v is not None}
     assert seen["figures0"]["script"] == "pytorch_SingleGPU.py" and seen["figures0"]["status"] == "ok"
     assert seen["predicted"] == [0] and len(read_rows(str(results))) == 1
+
+
+def test_a_run_freezes_its_imports_before_its_set_up_and_after_its_flags(monkeypatch, tmp_path):
+    """common/fastexit.py: the objects the imports made leave the collector's walks before main() builds
+    anything (what is frozen is never freed); bad flags exit before any of it."""
+    import sys
+
+    from common import runner
+    from common.train import Metrics
+
+    order = []
+    monkeypatch.setattr(runner, "freeze_imports", lambda: order.append("freeze"))
+    argv = ["pytorch_SingleGPU.py", "--device", "cpu", "--model", "resnet18", "--results", str(tmp_path / "s.csv")]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(runner, "predicted", lambda *a, **k: {})
+    runner.launch(lambda cfg: order.append("main") or Metrics(), "pytorch_SingleGPU.py")
+    assert order == ["freeze", "main"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--epochs", "0"])
+    with pytest.raises(SystemExit):
+        runner.launch(lambda cfg: order.append("main") or Metrics(), "pytorch_SingleGPU.py")
+    assert order == ["freeze", "main"]
