@@ -219,14 +219,15 @@ COMMANDS = {
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["run"] + argv
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}", parser_class=OneLineParser)
     for name, (help_, add_args, handler) in COMMANDS.items():
         p = sub.add_parser(name, help=help_.replace("%", "%%"), description=help_)  # help is %-formatted
-        add_args(p)
+        if name == argv[0]:  # the named command's flags only: calibrate's, predict's and advise's import torch (2-4 s)
+            add_args(p)
         p.set_defaults(handler=handler)
-    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
-        argv = ["run"] + argv
     opts = parser.parse_args(argv)
     for key in ("results", "report", "log_dir", "save_dir"):
         if getattr(opts, key, None):

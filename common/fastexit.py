@@ -4,7 +4,8 @@ torch, torchvision (torch._dynamo with it) and DeepSpeed leave about 370,000 tra
 none of them garbage (a full collection right after the imports finds about 20). A full collection walks them
 all: 0.17 s on an idle 2-core AMD EPYC, 0.8-0.9 s while the test suite loads it, and a training process runs
 three (before the loader probe and the timed window, common/measure/loader.py and common/train.py, and at
-cleanup, common/distributed.py), then the one of the interpreter's exit. Frozen objects are skipped by every walk (gc.freeze, CPython's permanent generation).
+cleanup, common/distributed.py), then the one of the interpreter's exit. Frozen objects are skipped by every
+walk (gc.freeze, CPython's permanent generation).
 
 freeze_imports(): called by the runner once the script's imports are done and before the set-up builds
 anything, so that the run's collections walk only what the run made, and still free all of it.

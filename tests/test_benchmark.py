@@ -333,6 +333,25 @@ def test_help_lists_every_subcommand(capsys):
     assert "95% CIs" in out
 
 
+def test_a_subcommand_s_help_lists_its_flags(capsys):
+    """benchmark.py builds the named command's flags only (the others' import torch)."""
+    import benchmark
+
+    for name, flag in (("calibrate", "--world-sizes"), ("advise", "--gpu-memory-gib"), ("predict", "--calibration")):
+        with pytest.raises(SystemExit):
+            benchmark.main([name, "--help"])
+        assert flag in capsys.readouterr().out, name
+
+
+def test_the_commands_that_read_rows_import_no_torch():
+    """The report, compare and the help of benchmark.py read CSVs and YAML: no torch import (2-4 s a process)."""
+    code = ("import sys, benchmark\nfrom common import report\nfrom common.bench import compare\n"
+            "for argv in (['compare', 'a', 'b'], ['report'], ['--preset', 'smoke']):\n    benchmark.parse(argv)\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
 def test_doctor_keeps_every_earlier_results_file(tmp_path):
     """Each doctor run starts a file of its own: the earlier ones are kept, none overwritten, and a folder given as
     --results is refused before any work (it would have been moved aside)."""

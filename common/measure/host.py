@@ -33,11 +33,12 @@ import multiprocessing
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..distributed import local_rank, reduce_metrics
 from . import Instrument
+
+if TYPE_CHECKING:  # torch and the process group are the instrument's: the report and benchmark.py's driver read
+    import torch  # this module's row functions without importing torch (2-3 s a process)
 
 PROC = "/proc"
 # from this share of other work plus steal, the row's notes say its times are a busy host's: the time preset's
@@ -166,6 +167,8 @@ class LaunchShare:
 
 class HostShare(Instrument):
     def __init__(self, run_device: torch.device, proc: str = PROC):
+        from ..distributed import local_rank
+
         self.run_device, self.proc = run_device, proc
         self.owner = local_rank() == 0  # the ranks of a host share its CPUs: one reads them
         self.cpus = affinity()
@@ -203,6 +206,8 @@ class HostShare(Instrument):
     stop = pause
 
     def row(self) -> dict:
+        from ..distributed import reduce_metrics
+
         host = {"busy": self.busy, "steal": self.steal, "total": self.total} if self.readable else {}
         summed = reduce_metrics({"busy": host.get("busy"), "steal": host.get("steal"), "total": host.get("total"),
                                  "ours": self.ours}, self.run_device, "sum")
