@@ -3,14 +3,16 @@ that was never interrupted, and one CSV row for the run, marked resumed. One cas
 common/checkpoint.py but the plain one (single device, DataParallel, DDP, model parallelism), whose kill and
 resume is test_reliability's restarted DDP worker; a single device's refusals are below."""
 import os
+import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import helpers
 import pytest
 import torch
-from helpers import check_ok, hold_port, one_line_error, release_port, rows, run, tiny_args
+from helpers import check_ok, hold_port, one_line_error, release_port, rows, run, run_at_once, tiny_args
 
 SCRIPTS = ["accelerate_DeepSpeed.py", "pytorch_DDP_ZeRO.py", "pytorch_FSDP.py", "pytorch_DeepSpeed.py"]
 NPROC = 2
@@ -83,23 +85,32 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, script):
 
 @pytest.mark.beside
 def test_resume_path_missing_or_corrupt(tmp_path):
-    proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path, resume=str(tmp_path / "nowhere")))
-    assert "no checkpoint there" in one_line_error(proc)
-    check_ok(run("pytorch_SingleGPU.py", tiny_args(tmp_path, epochs=1)))
-    folder = tmp_path / "ckpt" / "pytorch_SingleGPU" / "resume" / "epoch1"
-    # a checkpoint of other flags, refused before it is loaded; one written before checkpoints said their flags,
-    # refused by its load
-    for over, why in (({"model": "resnet34"}, "trained with --model resnet18"),
-                      ({"optimizer": "adamw"}, "trained with --optimizer sgd")):
-        assert why in one_line_error(run("pytorch_SingleGPU.py", tiny_args(tmp_path, resume="auto", epochs=2, **over)))
-    state = torch.load(folder / "run.pt", weights_only=False)
-    torch.save({k: v for k, v in state.items() if k != "fits"}, folder / "run.pt")
-    proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path, resume="auto", epochs=2, model="resnet34"))
-    assert "does not fit this run (Error(s) in loading state_dict for ResNet" in one_line_error(proc)
-    (folder / "native.pt").write_bytes(b"truncated")
-    proc = run("pytorch_SingleGPU.py", tiny_args(tmp_path, resume="auto", epochs=2))
-    assert "is corrupt" in one_line_error(proc)
-    assert len(rows(tmp_path / "summary.csv")) == 1  # only the first, complete run
+    """Each refusal is a process that starts and stops: those that do not depend on each other start together
+    (helpers.run_at_once), each corrupt checkpoint in a copy of its own."""
+    main, nowhere = tmp_path / "main", tmp_path / "nowhere"
+    got = run_at_once({"missing": ("pytorch_SingleGPU.py", tiny_args(nowhere, resume=str(tmp_path / "nowhere"))),
+                       "first": ("pytorch_SingleGPU.py", tiny_args(main, epochs=1))})
+    assert "no checkpoint there" in one_line_error(got["missing"])
+    check_ok(got["first"])
+    folder = Path("ckpt") / "pytorch_SingleGPU" / "resume" / "epoch1"
+    old, cut = tmp_path / "old", tmp_path / "cut"
+    for copy in (old, cut):
+        shutil.copytree(main / "ckpt", copy / "ckpt")
+    # written before checkpoints said their flags: refused by its load
+    state = torch.load(old / folder / "run.pt", weights_only=False)
+    torch.save({k: v for k, v in state.items() if k != "fits"}, old / folder / "run.pt")
+    (cut / folder / "native.pt").write_bytes(b"truncated")
+    # a checkpoint of other flags, refused before it is loaded
+    cases = ((main, {"model": "resnet34"}, "trained with --model resnet18"),
+             (main, {"optimizer": "adamw"}, "trained with --optimizer sgd"),
+             (old, {"model": "resnet34"}, "does not fit this run (Error(s) in loading state_dict for ResNet"),
+             (cut, {}, "is corrupt"))
+    got = run_at_once({why: ("pytorch_SingleGPU.py", tiny_args(where, resume="auto", epochs=2, **over))
+                       for where, over, why in cases})
+    for why, proc in got.items():
+        assert why in one_line_error(proc)
+    assert len(rows(main / "summary.csv")) == 1  # only the first, complete run
+    assert not any(os.path.exists(where / "summary.csv") for where in (nowhere, old, cut))
 
 
 @pytest.mark.parametrize("visible, saved_on, want", [
