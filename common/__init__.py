@@ -13,7 +13,7 @@
     pipeline      a ResNet split at its stages (model and pipeline parallelism), weights gathered back
     runner        what happens around every script's main(): config, row, its predictions, exit code
     results       the CSV; report: the Markdown report
-    fastexit      exit without the final garbage-collector walk (0.7-0.8 s a process)
+    fastexit      the garbage collector's walks over the imports' objects skipped, in the run and at exit
     measure/      the instruments: probes, fingerprint, loader, ...
     predict/      the models: memory, expected volume, step time, as functions of a row and a calibration
     bench/        benchmark.py's subcommands
