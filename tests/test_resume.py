@@ -87,8 +87,8 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, script):
 def test_resume_path_missing_or_corrupt(tmp_path):
     """Each refusal is a process that starts and stops: those that do not depend on each other start together
     (helpers.run_at_once), each corrupt checkpoint in a copy of its own."""
-    main, nowhere = tmp_path / "main", tmp_path / "nowhere"
-    got = run_at_once({"missing": ("pytorch_SingleGPU.py", tiny_args(nowhere, resume=str(tmp_path / "nowhere"))),
+    main, missing = tmp_path / "main", tmp_path / "missing"
+    got = run_at_once({"missing": ("pytorch_SingleGPU.py", tiny_args(missing, resume=str(tmp_path / "nowhere"))),
                        "first": ("pytorch_SingleGPU.py", tiny_args(main, epochs=1))})
     assert "no checkpoint there" in one_line_error(got["missing"])
     check_ok(got["first"])
@@ -100,7 +100,7 @@ def test_resume_path_missing_or_corrupt(tmp_path):
     state = torch.load(old / folder / "run.pt", weights_only=False)
     torch.save({k: v for k, v in state.items() if k != "fits"}, old / folder / "run.pt")
     (cut / folder / "native.pt").write_bytes(b"truncated")
-    # a checkpoint of other flags, refused before it is loaded
+    # a checkpoint of other flags, refused before it is loaded; the two above, refused by their load
     cases = ((main, {"model": "resnet34"}, "trained with --model resnet18"),
              (main, {"optimizer": "adamw"}, "trained with --optimizer sgd"),
              (old, {"model": "resnet34"}, "does not fit this run (Error(s) in loading state_dict for ResNet"),
@@ -110,7 +110,7 @@ def test_resume_path_missing_or_corrupt(tmp_path):
     for why, proc in got.items():
         assert why in one_line_error(proc)
     assert len(rows(main / "summary.csv")) == 1  # only the first, complete run
-    assert not any(os.path.exists(where / "summary.csv") for where in (nowhere, old, cut))
+    assert not any(os.path.exists(where / "summary.csv") for where in (missing, old, cut))
 
 
 @pytest.mark.parametrize("visible, saved_on, want", [
