@@ -177,14 +177,12 @@ DS_REFUSALS = [
 
 @pytest.fixture(scope="module")
 def ds_refused(tmp_path_factory):
-    """pytorch_DeepSpeed.py on each bad JSON of DS_REFUSALS, and with a flag it does not take (--compile),
-    started together (helpers.run_at_once): {key: (its folder, its process)}."""
+    """pytorch_DeepSpeed.py on the first bad JSON of DS_REFUSALS, with a flag it does not take (--compile), and on a
+    JSON it cannot read, started together (helpers.run_at_once): {key: (its folder, its process)}."""
     root = tmp_path_factory.mktemp("ds_refused")
-    jobs = {}
-    for i, (content, _) in enumerate(DS_REFUSALS):
-        (root / str(i)).mkdir()
-        (root / str(i) / "ds.json").write_text(content)
-        jobs[i] = ("pytorch_DeepSpeed.py", tiny_args(root / str(i), deepspeed_config=str(root / str(i) / "ds.json")))
+    (root / "json").mkdir()
+    (root / "json" / "ds.json").write_text(DS_REFUSALS[0][0])
+    jobs = {"json": ("pytorch_DeepSpeed.py", tiny_args(root / "json", deepspeed_config=str(root / "json" / "ds.json")))}
     jobs["compile"] = ("pytorch_DeepSpeed.py", tiny_args(root / "compile") + ["--compile"])
     (root / "notjson").mkdir()
     (root / "notjson" / "ds.json").write_text("{zero: 2")
@@ -193,10 +191,26 @@ def ds_refused(tmp_path_factory):
     return {k: (root / str(k), proc) for k, proc in run_at_once(jobs).items()}
 
 
-@pytest.mark.parametrize("i", range(len(DS_REFUSALS)), ids=[c for c, _ in DS_REFUSALS])
-def test_deepspeed_json_refusals(ds_refused, i):
-    folder, proc = ds_refused[i]
-    assert DS_REFUSALS[i][1] in one_line_error(proc)
+@pytest.mark.beside  # in pytest's process: one core, no timing
+@pytest.mark.parametrize("content, words", DS_REFUSALS, ids=[c for c, _ in DS_REFUSALS])
+def test_deepspeed_json_refusals(tmp_path, content, words):
+    """Each refusal of the JSON by the function both DeepSpeed scripts read it with (common/deepspeed_config.py), at
+    TINY's batch on one process; the first also through the script itself, below."""
+    from common.config import UsageError
+    from common.deepspeed_config import resolve_ds_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(content)
+    with pytest.raises(UsageError) as err:
+        resolve_ds_config(TrainConfig(batch_size=16), str(path), world_size=1, micro_batch=16)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_deepspeed_json_refusal_is_one_line_and_no_row(ds_refused):
+    """Refused after the process group and DeepSpeed's comm layer started (pytorch_DeepSpeed.py main): one line
+    all the same, and no row."""
+    folder, proc = ds_refused["json"]
+    assert DS_REFUSALS[0][1] in one_line_error(proc)
     assert rows(folder / "summary.csv") == []
 
 
