@@ -2,7 +2,7 @@
 experiment, not part of the suite (README.md: it saved only a cold start's first minute). Run by hand from the
 checkout's root, beside the tests: `python <this file> $$ &` (the argument: the pid whose death stops it).
 
-Some VMs page out page cache that has gone unused for a while: the 2-core CI VMs run DAMON with a `pageout`
+Some VMs page out page cache that has gone unused for a while: the 2-core EPYC VM of this campaign runs DAMON with a `pageout`
 scheme on physical memory (/sys/kernel/mm/damon/admin/kdamonds/*/contexts/*/schemes/*/action) that reclaims
 regions idle for 12 aggregation intervals of 5 s, a minute. A launch touches most of its import pages only
 while it starts, so they go cold before the next launch of that kind, which then reads them again from a disk
