@@ -14,10 +14,13 @@ from common.deepspeed_config import resolve_ds_config
 CAMPAIGN = f"{ROOT}/results/campaigns/2026-11-26_h100_throughput"
 
 
-def refused(capsys, argv: list[str]) -> str:
+def refused(capsys, argv: list[str], quiet: bool = False) -> str:
+    """benchmark.py's main() in this process: exit 2 and one line (quiet: and nothing printed before it)."""
     assert benchmark.main(argv) == 2
-    err = capsys.readouterr().err.strip()
+    out, err = capsys.readouterr()
+    err = err.strip()
     assert len(err.splitlines()) == 1 and "benchmark.py: error: " in err, err
+    assert not quiet or out == "", out
     return err
 
 
