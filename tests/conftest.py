@@ -110,6 +110,17 @@ def pytest_collection_modifyitems(config, items):
                                     "not a launch of tests/launches.py CASES")
 
 
+def pytest_configure(config):
+    """pytest's temporary files in memory where helpers.ram_temproot finds the room (it says why), before
+    the first test asks for its tmp_path (pytest reads PYTEST_DEBUG_TEMPROOT then: _pytest/tmpdir.py
+    getbasetemp)."""
+    from helpers import ram_temproot
+
+    root = ram_temproot(config.option.basetemp)
+    if root:
+        os.environ["PYTEST_DEBUG_TEMPROOT"] = root
+
+
 def pytest_collection_finish(session):
     """Before any end-to-end test: the disk must hold what the suite writes, and two processes must form a gloo
     group here, or the suite stops at once with why (each launch would otherwise wait out its own timeout: a CI
@@ -122,7 +133,8 @@ def pytest_collection_finish(session):
         from helpers import disk_problem, gloo_pair_problem
 
         basetemp = session.config.option.basetemp
-        problem = disk_problem(os.path.dirname(os.path.abspath(basetemp)) if basetemp else tempfile.gettempdir())
+        temproot = os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir()
+        problem = disk_problem(os.path.dirname(os.path.abspath(basetemp)) if basetemp else temproot)
         if problem:
             pytest.exit(problem, returncode=3)
         problem = gloo_pair_problem()
@@ -143,7 +155,8 @@ def pytest_collection_finish(session):
             pytest.exit("DeepSpeed's CPU op did not build within 1500 s", returncode=3)
         if proc.returncode:
             pytest.exit(f"DeepSpeed's CPU op did not build: {(err.strip().splitlines() or ['?'])[-1]}", returncode=3)
-        sys.stderr.write(f"\nDeepSpeed's CPU op: {(out.strip().splitlines() or ['?'])[-1]}\n")
+        sys.stderr.write(f"\nDeepSpeed's CPU op: {(out.strip().splitlines() or ['?'])[-1]}\n"
+                         f"pytest's temporary files: under {basetemp or temproot}\n")
 
 
 # A launch that overruns its timeout is killed (subprocess.run kills the launcher), and its workers

@@ -252,6 +252,40 @@ def disk_problem(where: str, need_gib: float | None = None) -> str | None:
             "(its shared launches' checkpoints): free some, or give pytest --basetemp on a larger disk")
 
 
+# What the suite's processes use beside its files when those are in memory: two launches at once, the
+# largest a 4-rank vit_b_16 (tensor parallelism over data parallelism)
+LAUNCH_MEMORY_GIB = 12
+RAM_FS = ("tmpfs", "ramfs")
+
+
+def ram_temproot(basetemp: str | None, environ=None, candidate: str = "/dev/shm", mounts: str = "/proc/mounts",
+                 meminfo: str = "/proc/meminfo") -> str | None:
+    """The folder in memory for pytest's temporary files (conftest.py sets PYTEST_DEBUG_TEMPROOT to it), or
+    None to leave them where pytest puts them. A launch's checkpoints written to a disk's page cache cost
+    several times the system time of the same bytes in a tmpfs on the VMs CI runs on (the suite writes
+    about 13 GB: results/campaigns/2026-12-02_epyc-avx512_suite_c). Taken when nobody chose a place
+    (--basetemp, TMPDIR, PYTEST_DEBUG_TEMPROOT), `candidate` is a tmpfs with SUITE_DISK_GIB free, and the
+    memory left holds the suite's files and LAUNCH_MEMORY_GIB more."""
+    import shutil
+
+    environ = os.environ if environ is None else environ
+    if basetemp or environ.get("TMPDIR") or environ.get("PYTEST_DEBUG_TEMPROOT"):
+        return None
+    try:
+        with open(mounts) as f:
+            kinds = {parts[1]: parts[2] for parts in (line.split() for line in f) if len(parts) > 2}
+        with open(meminfo) as f:
+            kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if ":" in line)}
+        free = shutil.disk_usage(candidate).free / 2**30
+    except (OSError, ValueError):
+        return None
+    available = kib.get("MemAvailable", 0) / 2**20
+    if kinds.get(candidate) in RAM_FS and os.access(candidate, os.W_OK) and free >= SUITE_DISK_GIB \
+            and available >= SUITE_DISK_GIB + LAUNCH_MEMORY_GIB:
+        return candidate
+    return None
+
+
 def gloo_pair_problem(timeout: float = 90) -> str | None:
     """None when two spawned processes form a gloo group and all-reduce within timeout; else why not,
     with what gloo's address depends on. Every end-to-end test needs this; on a machine where it fails

@@ -1,6 +1,7 @@
 """The look-ahead of the shared launches (tests/launches.py): how many run beside which test, and what a
 test's monkeypatching can no longer reach. The launches themselves are replaced by gates the test opens.
-And the disk they write to: a full suite that would not fit stops before its first test."""
+And the disk they write to: a full suite that would not fit stops before its first test, and its files go to
+memory where there is room."""
 import os
 import sys
 import threading
@@ -89,6 +90,38 @@ def test_a_full_suite_the_disk_cannot_hold_stops_before_its_first_test(tmp_path,
     monkeypatch.setattr(helpers, "SUITE_DISK_GIB", 0)
     with pytest.raises(pytest.exit.Exception, match="reached the gloo check"):
         conftest.pytest_collection_finish(session)
+
+
+def test_the_suites_files_go_to_memory_only_where_there_is_room_for_them(tmp_path, monkeypatch, pytestconfig):
+    """helpers.ram_temproot takes a tmpfs with room, and conftest.py points pytest's temporary files there;
+    not where the user chose a place, the folder is on a disk, it has too little free, or the memory left
+    would not hold the suite's files and its launches."""
+    folder, mounts, meminfo = tmp_path / "shm", tmp_path / "mounts", tmp_path / "meminfo"
+    folder.mkdir()
+    monkeypatch.setattr(helpers, "SUITE_DISK_GIB", 0)
+    need = helpers.LAUNCH_MEMORY_GIB
+
+    def pick(kind="tmpfs", available_gib=need, basetemp=None, environ=None):
+        mounts.write_text(f"/dev/vda / ext4 rw 0 0\nnone {folder} {kind} rw,size=4g 0 0\n")
+        meminfo.write_text(f"MemTotal: {64 * 2**20} kB\nMemAvailable: {int(available_gib * 2**20)} kB\n")
+        return helpers.ram_temproot(basetemp, environ or {}, str(folder), str(mounts), str(meminfo))
+
+    assert pick() == str(folder)
+    assert pick(kind="ext4") is None
+    assert pick(available_gib=need - 0.01) is None
+    assert pick(basetemp=str(tmp_path / "base")) is None
+    assert pick(environ={"TMPDIR": "/var/tmp"}) is None and pick(environ={"PYTEST_DEBUG_TEMPROOT": "/x"}) is None
+    monkeypatch.setattr(helpers, "SUITE_DISK_GIB", 2.0**40)  # a TiB more than the folder has free
+    assert pick(available_gib=2.0**41) is None
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py")
+    conftest = next(m for m in pytestconfig.pluginmanager.get_plugins() if getattr(m, "__file__", None) == here)
+    monkeypatch.delenv("PYTEST_DEBUG_TEMPROOT", raising=False)
+    monkeypatch.setattr(helpers, "ram_temproot", lambda basetemp: None if basetemp else str(folder))
+    conftest.pytest_configure(SimpleNamespace(option=SimpleNamespace(basetemp="/given")))
+    assert "PYTEST_DEBUG_TEMPROOT" not in os.environ
+    conftest.pytest_configure(SimpleNamespace(option=SimpleNamespace(basetemp=None)))
+    assert os.environ["PYTEST_DEBUG_TEMPROOT"] == str(folder)
 
 
 def test_a_failed_tests_clean_up_spares_a_worker_a_shared_launcher_forks_meanwhile(monkeypatch, pytestconfig):
