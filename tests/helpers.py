@@ -252,9 +252,9 @@ def disk_problem(where: str, need_gib: float | None = None) -> str | None:
             "(its shared launches' checkpoints): free some, or give pytest --basetemp on a larger disk")
 
 
-# What the suite's processes use beside its files when those are in memory: two launches at once, the
-# largest a 4-rank vit_b_16 (tensor parallelism over data parallelism)
-LAUNCH_MEMORY_GIB = 12
+# What the suite's processes use beside its files when those are in memory: 12.4 GiB at the peak of a CI on
+# 24 GiB (MemTotal - MemAvailable - Shmem every 5 s; results/campaigns/2026-12-02_epyc-avx512_suite_c)
+LAUNCH_MEMORY_GIB = 14
 RAM_FS = ("tmpfs", "ramfs")
 
 
