@@ -266,8 +266,6 @@ def ram_temproot(basetemp: str | None, environ=None, candidate: str = "/dev/shm"
     about 13 GB: results/campaigns/2026-12-02_epyc-avx512_suite_c). Taken when nobody chose a place
     (--basetemp, TMPDIR, PYTEST_DEBUG_TEMPROOT), `candidate` is a tmpfs with SUITE_DISK_GIB free, and the
     memory left holds the suite's files and LAUNCH_MEMORY_GIB more."""
-    import shutil
-
     environ = os.environ if environ is None else environ
     if basetemp or environ.get("TMPDIR") or environ.get("PYTEST_DEBUG_TEMPROOT"):
         return None
@@ -276,11 +274,11 @@ def ram_temproot(basetemp: str | None, environ=None, candidate: str = "/dev/shm"
             kinds = {parts[1]: parts[2] for parts in (line.split() for line in f) if len(parts) > 2}
         with open(meminfo) as f:
             kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if ":" in line)}
-        free = shutil.disk_usage(candidate).free / 2**30
+        room = disk_problem(candidate) is None
     except (OSError, ValueError):
         return None
     available = kib.get("MemAvailable", 0) / 2**20
-    if kinds.get(candidate) in RAM_FS and os.access(candidate, os.W_OK) and free >= SUITE_DISK_GIB \
+    if kinds.get(candidate) in RAM_FS and os.access(candidate, os.W_OK) and room \
             and available >= SUITE_DISK_GIB + LAUNCH_MEMORY_GIB:
         return candidate
     return None
