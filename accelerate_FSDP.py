@@ -71,7 +71,7 @@ def main(cfg):
 
     hooks = TrainHooks(acc.backward, acc.step, device, ctx=ctx, evaluate=make_gather_eval(accelerator, world_size),
                        no_sync=lambda: accelerator.no_sync(model),  # FSDP2: set_requires_gradient_sync(False)
-                       optimizer=optimizer, precision=run_precision(accelerator))
+                       skipped_steps=acc.skipped_steps, optimizer=optimizer, precision=run_precision(accelerator))
     metrics = fit(cfg, model, train_loader, test_loader, hooks,
                   AccelerateCheckpointer(cfg, __file__, model, optimizer, scheduler, None, train_loader,
                                          accelerator=accelerator))

@@ -114,14 +114,26 @@ class AccelerateStep:
     def step(self) -> None:
         if self.cfg.clip_grad_norm:
             self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
-        self.optimizer.step()
-        # GradScaler.step already synchronized to decide: reading the flag costs nothing more
-        self.skipped += bool(getattr(self.optimizer, "step_was_skipped", False))
+        scaler = getattr(self.accelerator, "scaler", None)
+        scale = scaler._scale.clone() if scaler is not None else None  # set by the backward's scaler.scale
+        self.optimizer.step()  # accelerate's AcceleratedOptimizer.step: scaler.step, then scaler.update
+        if scale is not None:
+            self.skipped = self.skipped + skipped_by_scale(scale, scaler._scale)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
     def skipped_steps(self) -> int | None:
-        return self.skipped if getattr(self.accelerator, "scaler", None) is not None else None
+        """Steps skipped for overflow (None where accelerate made no scaler). A host sync: after training."""
+        return int(self.skipped) if getattr(self.accelerator, "scaler", None) is not None else None
+
+
+def skipped_by_scale(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """1 where the step was skipped, on the device. accelerate's step_was_skipped is set only when GradScaler
+    did not call optimizer.step (accelerate/optimizer.py step), but a fused optimizer, the scripts' choice on
+    CUDA, is stepped every time and skips inside its kernel on found_inf (torch/amp/grad_scaler.py step:
+    `_step_supports_amp_scaling`). The scale tells both apart: update() multiplies it in place by
+    backoff_factor (0.5) after an overflow and only ever raises it otherwise (torch._amp_update_scale_)."""
+    return (after < before).to(torch.int64)
 
 
 def fsdp_plugin(model):

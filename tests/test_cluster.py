@@ -329,3 +329,42 @@ def test_an_optimizer_step_does_not_wait_for_the_device(monkeypatch, precision, 
         syncs.clear()
         step.step()
         assert syncs == [], syncs
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler")  # the first step: skipped
+@pytest.mark.parametrize("fused", [True, False])
+def test_accelerate_counts_the_steps_its_scaler_skips(monkeypatch, fused):
+    """accelerate_DDP.py's fp16 step on CUDA: accelerate's own optimizer wrapper and GradScaler, and the fused
+    SGD the scripts build there (foreach on CPU). A fused optimizer is stepped even when the scaler found an
+    overflow and skips inside its kernel, which accelerate's step_was_skipped does not see. Run on CPU, where
+    GradScaler and the fused kernels take the same path; accelerate makes no fp16 scaler for a CPU itself."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.state import AcceleratorState
+
+    from common.accel import AccelerateStep
+
+    Accelerator(cpu=True)  # the state AcceleratedOptimizer reads
+    try:
+        model = torch.nn.Linear(8, 4)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(sgd, lambda s: 1.0)  # before prepare, as the scripts
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        optimizer = AcceleratedOptimizer(sgd, device_placement=False, scaler=scaler)
+        accelerator = SimpleNamespace(scaler=scaler, backward=lambda loss: scaler.scale(loss).backward())
+        step = AccelerateStep(TrainConfig(clip_grad_norm=0), accelerator, model, optimizer, scheduler)
+        syncs = []
+        monkeypatch.setattr(torch.Tensor, "item", lambda self, _real=torch.Tensor.item: syncs.append(1) or _real(self))
+        before = model.weight.detach().clone()
+        for overflow in (True, False, False):
+            step.backward(model(torch.randn(4, 8)).sum() * (float("inf") if overflow else 1.0))
+            step.step()
+            if overflow:
+                assert torch.equal(model.weight, before)  # the step was skipped, fused or not
+        assert not torch.equal(model.weight, before)
+        assert syncs == [] or not fused, "a fused step waited for the device"
+        assert step.skipped_steps() == 1
+    finally:
+        AcceleratorState._reset_state(True)
