@@ -108,6 +108,20 @@ def test_torchrun_template_rendezvouses_on_an_address_the_other_nodes_reach(tmp_
                                                             RDZV_ADDR="10.9.9.9").stdout  # the user's choice
 
 
+def test_a_job_rendezvouses_on_a_port_of_its_own(tmp_path):
+    """Two jobs sharing a node would both take torchrun's default 29500 and the second's store fail to bind: the
+    templates take 10000 + the job id mod 20000 unless RDZV_PORT is given (job 7 here), on every node."""
+    for template, args, flag in (("torchrun.sbatch", ["pytorch_DDP.py"], "--rdzv-endpoint=10.1.2.3:{} "),
+                                 ("accelerate.sbatch", ["config/default_DDP.yml", "accelerate_DDP.py"],
+                                  "--main_process_port {} ")):
+        for job, port in (("7", 10007), ("20008", 10008)):
+            proc = run_template(tmp_path, template, *args, FAKE_ADDRS="10.1.2.3", RDZV_PORT="", SLURM_JOB_ID=job,
+                                GLOO_SOCKET_IFNAME="eth7")
+            nodes = [ln for ln in proc.stdout.splitlines() if ln.startswith("node ")]
+            assert proc.returncode == 0 and len(nodes) == 2, (proc.stdout, proc.stderr)
+            assert all(flag.format(port) in ln for ln in nodes), nodes
+
+
 def test_each_node_names_gloo_the_interface_it_reaches_the_first_node_through(tmp_path):
     """Without GLOO_SOCKET_IFNAME gloo listens where the host name resolves, 127.0.1.1 here, which no other node
     reaches (slurm/node_ifname.sh): node 0 takes the interface that holds the rendezvous address, node 1 the one

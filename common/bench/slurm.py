@@ -18,7 +18,6 @@ import sys
 import time
 
 from ..config import PROJECT_ROOT, TrainConfig, UsageError, to_flags
-from ..launching import free_port
 from ..registry import BY_FILE
 from ..results import check_results_path, read_rows
 from .matrix import EXIT_STATUS, last_error_line, load_matrix, only_of, record_missing
@@ -98,7 +97,7 @@ def sbatch_text(run: dict, opts, results: str, log_dir: str) -> str:
         + [f"#SBATCH {shlex.quote(a)}" for a in sbatch]
         + ["set -euo pipefail", f"cd {shlex.quote(PROJECT_ROOT)}",
            f"export PYTHON={shlex.quote(sys.executable)} PATH={shlex.quote(os.path.dirname(sys.executable))}:$PATH",
-           f"export GPUS_PER_NODE={per_node} RDZV_PORT={free_port()}",
+           f"export GPUS_PER_NODE={per_node}",  # the rendezvous port: the job's own (slurm/torchrun.sbatch)
            f"export SAVE_DIR={shlex.quote(save_root)}",
            # the steps get what this script exports under sbatch --export=NONE too (slurm/torchrun.sbatch)
            "export SLURM_EXPORT_ENV=ALL",
