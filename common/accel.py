@@ -114,7 +114,7 @@ class AccelerateStep:
     def step(self) -> None:
         if self.cfg.clip_grad_norm:
             self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
-        scaler = getattr(self.accelerator, "scaler", None)
+        scaler = self.scaler()
         scale = scaler._scale.clone() if scaler is not None else None  # set by the backward's scaler.scale
         self.optimizer.step()  # accelerate's AcceleratedOptimizer.step: scaler.step, then scaler.update
         if scale is not None:
@@ -122,18 +122,24 @@ class AccelerateStep:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
+    def scaler(self):
+        """accelerate's GradScaler where it made an enabled one (fp16 on a GPU, not under DeepSpeed), else None."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        return scaler if scaler is not None and scaler.is_enabled() else None
+
     def skipped_steps(self) -> int | None:
         """Steps skipped for overflow (None where accelerate made no scaler). A host sync: after training."""
-        return int(self.skipped) if getattr(self.accelerator, "scaler", None) is not None else None
+        return int(self.skipped) if self.scaler() is not None else None
 
 
 def skipped_by_scale(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """1 where the step was skipped, on the device. accelerate's step_was_skipped is set only when GradScaler
-    did not call optimizer.step (accelerate/optimizer.py step), but a fused optimizer, the scripts' choice on
+    did not call optimizer.step (accelerate/optimizer.py step), but a fused optimizer, accelerate_DDP.py's on
     CUDA, is stepped every time and skips inside its kernel on found_inf (torch/amp/grad_scaler.py step:
     `_step_supports_amp_scaling`). The scale tells both apart: update() multiplies it in place by
-    backoff_factor (0.5) after an overflow and only ever raises it otherwise (torch._amp_update_scale_)."""
-    return (after < before).to(torch.int64)
+    backoff_factor (< 1) after an overflow and keeps or raises it otherwise (torch._amp_update_scale_). A scale
+    halved down to 0 stays there, and then every step overflows (the gradients are unscaled by 1/0)."""
+    return ((after < before) | (after == 0)).to(torch.int64)
 
 
 def fsdp_plugin(model):

@@ -76,8 +76,9 @@ def onednn_bf16_kernels() -> bool:
 
 def native_half_kernels(precision: str) -> bool:
     """True where this CPU's convolutions run oneDNN's native kernels for `precision`: always for fp32; bf16
-    needs avx512_bf16 or AMX, fp16 AVX512-FP16 or AMX-FP16. Elsewhere torch's reference kernels run, 17-34x
-    fp32's time on a ResNet, 4-6x on shufflenet_v2_x0_5 (AVX-512 EPYC, 2 threads)."""
+    needs avx512_bf16 or AMX, fp16 AVX512-FP16 or AMX-FP16. Elsewhere torch's reference kernels run, 16-34x
+    fp32's time on a ResNet, 4-6x on shufflenet_v2_x0_5 (2-core AVX-512 EPYC:
+    results/campaigns/2026-12-02_epyc-avx512_doc_figures)."""
     if precision == "bf16":
         return onednn_bf16_kernels()
     if precision != "fp16":

@@ -533,7 +533,7 @@ def _reference_kernels(rows: pd.DataFrame, out_dir: str, slug: str) -> list[str]
     if slow.empty:
         return []
     return [f"Reference kernels: {', '.join(slow.label)} ran {', '.join(sorted(set(slow.precision)))} "
-            "on torch's reference kernels (this CPU has no native oneDNN kernels for it, 17-34x fp32's time on a "
+            "on torch's reference kernels (this CPU has no native oneDNN kernels for it, 16-34x fp32's time on a "
             "ResNet): their times are the CPU's, not the strategy's. The smoke preset trains such runs on a smaller "
             "model (`cpu_emulated_half_args` in config/benchmark.yaml), so they get a section of their own."]
 

@@ -110,12 +110,12 @@ def test_torchrun_template_rendezvouses_on_an_address_the_other_nodes_reach(tmp_
 
 def test_a_job_rendezvouses_on_a_port_of_its_own(tmp_path):
     """Two jobs sharing a node would both take torchrun's default 29500 and the second's store fail to bind: the
-    templates take 10000 + the job id mod 20000 unless RDZV_PORT is given (job 7 here), on every node."""
+    templates take 20000 + the job id mod 10000 on every node, unless RDZV_PORT is given."""
     for template, args, flag in (("torchrun.sbatch", ["pytorch_DDP.py"], "--rdzv-endpoint=10.1.2.3:{} "),
                                  ("accelerate.sbatch", ["config/default_DDP.yml", "accelerate_DDP.py"],
                                   "--main_process_port {} ")):
-        for job, port in (("7", 10007), ("20008", 10008)):
-            proc = run_template(tmp_path, template, *args, FAKE_ADDRS="10.1.2.3", RDZV_PORT="", SLURM_JOB_ID=job,
+        for job, given, port in (("7", "", 20007), ("10008", "", 20008), ("7", "29555", 29555)):
+            proc = run_template(tmp_path, template, *args, FAKE_ADDRS="10.1.2.3", RDZV_PORT=given, SLURM_JOB_ID=job,
                                 GLOO_SOCKET_IFNAME="eth7")
             nodes = [ln for ln in proc.stdout.splitlines() if ln.startswith("node ")]
             assert proc.returncode == 0 and len(nodes) == 2, (proc.stdout, proc.stderr)
@@ -382,3 +382,11 @@ def test_accelerate_counts_the_steps_its_scaler_skips(monkeypatch, fused):
         assert step.skipped_steps() == 1
     finally:
         AcceleratorState._reset_state(True)
+
+
+@pytest.mark.parametrize("before, after, skipped", [(2.0, 1.0, 1), (2.0, 2.0, 0), (2.0, 4.0, 0), (0.0, 0.0, 1)])
+def test_a_step_is_skipped_where_the_scale_backs_off_or_has_reached_zero(before, after, skipped):
+    """A scale halved down to 0 stays 0, and from then on every step overflows (gradients unscaled by 1/0)."""
+    from common.accel import skipped_by_scale
+
+    assert skipped_by_scale(torch.tensor(before), torch.tensor(after)).item() == skipped

@@ -106,7 +106,7 @@ def test_ddp_buckets_of_resnet18():
 
 def test_only_global_rank_0_counts_and_predicts_what_only_its_row_shows(monkeypatch, tmp_path):
     """The FLOP count, the memory walk and the step prediction are the row's, which global rank 0 writes:
-    any other rank skips them (0.3-0.9 s each of a CPU the ranks may share, every launch). The count is an
+    any other rank skips them (their time of a CPU the ranks may share, every launch). The count is an
     instrument's, the predictions the runner's once training has ended."""
     import sys
 

@@ -6,7 +6,7 @@ registry's preset_args) and `runs`: an entry without `name` changes the default 
 an entry with a `name` adds a run. `gpu_args` / `cpu_args` apply on that hardware only, and
 `gpu_only: true` (or the registry's needs_cuda) records a run as skipped on a CPU-only machine.
 `cpu_emulated_half_args` apply, on a CPU, to a run in a half precision that this CPU has no native
-kernels for (torch's reference kernels take 17-34x fp32's time on a ResNet: the smoke preset trains a smaller model).
+kernels for (torch's reference kernels take 16-34x fp32's time on a ResNet: the smoke preset trains a smaller model).
 """
 from __future__ import annotations
 

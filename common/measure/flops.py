@@ -172,7 +172,7 @@ class Flops(Instrument):
         self.run_device, self.throughput = run_device, throughput
         self.reference_kernels = run_device.type == "cpu" and not native_half_kernels(precision)
         self.precision, self.flops_per_img = precision, None
-        if global_rank() == 0:  # the row's, which rank 0 writes: the others skip the count (0.3-0.9 s of a CPU)
+        if global_rank() == 0:  # the row's, which rank 0 writes: the others skip the count (a CPU they may share)
             try:
                 self.flops_per_img = train_flops_per_image(model, image_size)
             except Exception as exc:  # a model that cannot be built on the meta device still trains
