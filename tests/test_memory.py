@@ -282,28 +282,26 @@ def test_the_readme_sharding_table_is_the_memory_model():
         rec = recommend(preds, opts)
         return "nothing fits" if rec.startswith("nothing fits") else SAID[rec.split(":")[0]]
 
+    def predicted(model, batch, strategy, gc=False):  # the section's setup: 8 GPUs, 224 px, bf16, AdamW
+        return predict(Setup(model=model, image_size=224, batch_size=batch, world_size=8, precision="bf16",
+                             optimizer="adamw", strategy=strategy, grad_checkpointing=gc))
+
     text = open(os.path.join(ROOT, "docs", "memory.md")).read()
     table = text[text.index("## When does sharding pay?"):]
     for model in ("resnet50", "vit_b_16", "vit_l_16", "vit_h_14"):
         cells = re.search(rf"^\| {model} \(.*$", table, re.M).group(0).split("|")[2:5]
         for batch, cell in zip((128, 512, 1024), cells):
-            base = dict(model=model, image_size=224, batch_size=batch, world_size=8, precision="bf16",
-                        optimizer="adamw")
-            preds = {s: predict(Setup(**base, strategy=s)) for s in STRATEGIES if not s.startswith("accelerate_")}
+            preds = {s: predicted(model, batch, s) for s in STRATEGIES if not s.startswith("accelerate_")}
             ddp, fsdp = (preds[s].peak / GIB for s in ("ddp", "fsdp_full-shard"))
             small, large = said(preds, 24.0), said(preds, 80.0)
             want = small if small == large else f"24 GiB {small}; 80 GiB {large}"
             assert cell.strip() == f"{ddp:.1f} / {fsdp:.1f}: {want}", (model, batch, cell)
     shown = " ".join(table.split("```")[0].split())  # the paragraph below the table, lines joined
-
-    def peak(model, batch, strategy, gc=False):
-        return predict(Setup(model=model, image_size=224, batch_size=batch, world_size=8, precision="bf16",
-                             optimizer="adamw", strategy=strategy, grad_checkpointing=gc)).peak / GIB
-
-    ddp, zero, fsdp = (peak("vit_h_14", 1024, s, gc=True) for s in ("ddp", "ddp_zero", "fsdp_full-shard"))
+    ddp, zero, fsdp = (predicted("vit_h_14", 1024, s, gc=True).peak / GIB
+                       for s in ("ddp", "ddp_zero", "fsdp_full-shard"))
     for phrase in (f"needs {ddp:.1f} GiB under DDP and {fsdp:.1f} under FSDP",
-                   f"(DeepSpeed ZeRO-1, {peak('vit_l_16', 1024, 'deepspeed_zero1'):.1f} GiB)",
-                   f"(ZeRO-3 with offload, {peak('vit_h_14', 512, 'deepspeed_zero3_offload'):.1f})",
+                   f"(DeepSpeed ZeRO-1, {predicted('vit_l_16', 1024, 'deepspeed_zero1').peak / GIB:.1f} GiB)",
+                   f"(ZeRO-3 with offload, {predicted('vit_h_14', 512, 'deepspeed_zero3_offload').peak / GIB:.1f})",
                    f"(DDP {ddp:.1f} GiB is too tight: DDP+ZeRO {zero:.1f}, FSDP {fsdp:.1f})"):
         assert phrase in shown, phrase
 
