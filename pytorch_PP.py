@@ -78,8 +78,9 @@ def main(cfg):
     configure_backends(cfg, device)
     num_stages = world_size * (2 if cfg.schedule == "interleaved-1f1b" else 1)
     check(cfg, num_stages, world_size)
-    # every rank walks the same batches: the first stage feeds their images, the last their labels
-    train_loader, _ = build_loaders(cfg, 0, 1, device)
+    # every rank walks the same batches: the first stage (rank 0's) feeds their images, the last their labels;
+    # the other ranks load no image, as the stages of a pipeline that are not its first read none
+    train_loader, _ = build_loaders(cfg, 0, 1, device, inputs=rank == 0)
     test_loader = build_test_loader(cfg, rank, world_size, device, max(1, cfg.batch_size // world_size))
 
     model = build_model(cfg)  # the whole model on every rank first: same initial weights as one process

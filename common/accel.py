@@ -101,7 +101,10 @@ def require_cuda(device: torch.device, what: str) -> None:
 class AccelerateStep:
     """backward and the optimizer step through accelerate (its GradScaler for fp16, its no-op
     clipping under DeepSpeed, whose engine clips from the JSON's gradient_clipping). The scheduler
-    is ours, not prepared: accelerate would step it num_processes times per optimizer step."""
+    is ours, not prepared: accelerate would step it num_processes times per optimizer step. Under FSDP2
+    accelerate's scaler is a plain GradScaler, not ShardedGradScaler, and the ranks still skip together: the
+    gradients are DTensors, whose found_inf check takes the max over the mesh
+    (torch/distributed/tensor/_dispatch.py found_inf_reduce_handler; tests/test_cluster.py)."""
 
     def __init__(self, cfg: TrainConfig, accelerator, model, optimizer, scheduler):
         self.cfg, self.accelerator, self.model, self.optimizer, self.scheduler = (cfg, accelerator, model, optimizer,

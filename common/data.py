@@ -133,7 +133,14 @@ def transforms(image_size: int, train: bool) -> v2.Compose:
     return v2.Compose(steps)
 
 
+# what a loader without inputs yields for an image: 3 channels of no pixels, so that a batch of them still
+# moves to the device and takes channels-last like a batch of images (common/train.py _to_device)
+NO_IMAGE = (3, 0, 0)
+
+
 class ArrayDataset(Dataset):
+    """(image, label); transform None: the labels alone, each with an image of no pixels."""
+
     def __init__(self, images: np.ndarray, labels: np.ndarray, transform):
         self.images, self.labels, self.transform = images, labels, transform
 
@@ -141,7 +148,8 @@ class ArrayDataset(Dataset):
         return len(self.labels)
 
     def __getitem__(self, i):
-        return self.transform(self.images[i]), int(self.labels[i])
+        x = self.transform(self.images[i]) if self.transform is not None else torch.empty(NO_IMAGE)
+        return x, int(self.labels[i])
 
 
 def eval_indices(n: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,11 +187,14 @@ def augmentation_seed(seed: int, epoch: int, rank: int) -> int:
 
 
 class GpuLoader:
-    """Device-resident batches; same sharding, shuffling per epoch and drop_last as DistributedSampler."""
+    """Device-resident batches; same sharding, shuffling per epoch and drop_last as DistributedSampler.
+    inputs=False: the labels alone, each batch's images of no pixels (NO_IMAGE), none held on the device."""
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, batch: int, rank: int, world_size: int,
-                 seed: int, train: bool, image_size: int, device: torch.device, augment: bool = True):
-        self.images = torch.from_numpy(images).to(device)  # uint8 NHWC: 150 MB for CIFAR10's train set
+                 seed: int, train: bool, image_size: int, device: torch.device, augment: bool = True,
+                 inputs: bool = True):
+        # uint8 NHWC: 150 MB for CIFAR10's train set
+        self.images = torch.from_numpy(images).to(device) if inputs else None
         self.labels = torch.from_numpy(labels).to(device)
         self.batch, self.rank, self.world_size = batch, rank, world_size
         self.seed, self.train, self.size, self.device = seed, train, image_size, device
@@ -231,7 +242,9 @@ class GpuLoader:
             aug = torch.Generator().manual_seed(augmentation_seed(self.seed, self.epoch, self.rank))
             for start in range(0, len(self) * self.batch, self.batch):
                 sel = shard[start:start + self.batch]
-                yield self._transform(self.images[sel], aug), self.labels[sel]
+                x = (self._transform(self.images[sel], aug) if self.images is not None
+                     else torch.empty((len(sel), *NO_IMAGE), device=self.device))
+                yield x, self.labels[sel]
         else:
             for start in range(0, self.num_samples, self.batch):
                 sel, ok = self.idx[start:start + self.batch], self.valid[start:start + self.batch]
@@ -268,9 +281,11 @@ def size_workers(cfg: TrainConfig, environ=os.environ) -> int:
     return cfg.workers
 
 
-def build_loaders(cfg: TrainConfig, rank: int, world_size: int, device: torch.device):
+def build_loaders(cfg: TrainConfig, rank: int, world_size: int, device: torch.device, inputs: bool = True):
     """Returns (train_loader, test_loader). Train batches are per-rank micro-batches; the test loader
-    yields (images, labels, valid) with every test sample valid on exactly one rank."""
+    yields (images, labels, valid) with every test sample valid on exactly one rank. inputs=False: train
+    batches of the same labels in the same order without their images (no pixels, no workers): a pipeline's
+    later stages, which read only the labels, load and copy no image (pytorch_PP.py)."""
     if cfg.loader == "torch":
         size_workers(cfg)
     batch = per_rank_batch(cfg, world_size)
@@ -281,12 +296,15 @@ def build_loaders(cfg: TrainConfig, rank: int, world_size: int, device: torch.de
     test = build_test_loader(cfg, rank, world_size, device, max(1, cfg.batch_size // world_size))
     if cfg.loader == "gpu":
         return GpuLoader(images, labels, batch, rank, world_size, cfg.seed, True, cfg.image_size, device,
-                         cfg.augment), test
-    train_ds = ArrayDataset(images, labels, transforms(cfg.image_size, cfg.augment))
+                         cfg.augment, inputs), test
+    train_ds = ArrayDataset(images, labels, transforms(cfg.image_size, cfg.augment) if inputs else None)
+    # the order is the sampler's (seed and epoch), not the transforms' random state: the same without images
     sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
-    return DataLoader(train_ds, batch_size=batch, sampler=sampler, drop_last=True,
-                      **_loader_kwargs(cfg, rank, device)), test
+    kwargs = _loader_kwargs(cfg, rank, device)
+    if not inputs:  # labels are read from an array in the rank's own process
+        kwargs.update(num_workers=0, persistent_workers=False, pin_memory=False)
+    return DataLoader(train_ds, batch_size=batch, sampler=sampler, drop_last=True, **kwargs), test
 
 
 def build_test_loader(cfg, rank: int, world_size: int, device: torch.device, batch: int):

@@ -1,5 +1,6 @@
 """The multi-node paths no one-host run exercises, checked on CPU: the collective timeout, the Slurm
-templates' rendezvous address and CPUs per step, the shared --save-dir and the loader's workers per node."""
+templates' rendezvous address and CPUs per step, the shared --save-dir, the loader's workers per node, and
+the fp16 skips of accelerate's CUDA-only paths (FSDP2's scaler, fused optimizers)."""
 import datetime
 import os
 import subprocess
@@ -215,38 +216,95 @@ def test_loader_workers_are_sized_to_the_nodes_cpus(monkeypatch, capsys):
     assert capsys.readouterr().out == ""  # said once per process
 
 
-def _save_dir_rank(rank, world, port, queue, root):
+def _save_dir(rank, root) -> dict:
     from common.checkpoint import check_shared_dir
     from common.config import UsageError
 
+    check_shared_dir(os.path.join(root, "shared"))  # one folder for both: passes
+    try:  # rank 1's "node" has a folder of its own under the same name
+        check_shared_dir(os.path.join(root, f"node{rank}"))
+    except UsageError as exc:
+        return {"error": str(exc)}
+    return {}
+
+
+def _fsdp2_scaler_step(rank, world) -> dict:
+    """One fp16-scaled step of a model sharded by FSDP2 with the GradScaler accelerate makes for it (a plain one,
+    not ShardedGradScaler: accelerate/accelerator.py, get_fsdp2_grad_scaler), a gradient non-finite on rank 1's
+    shard alone."""
+    import torch.nn as nn
+    from accelerate.utils.fsdp_utils import get_fsdp2_grad_scaler
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from common.accel import skipped_by_scale
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))  # dim 0 over the ranks: rank 1 holds rows 4-7
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = get_fsdp2_grad_scaler(device="cpu", init_scale=256.0)
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    if rank == 1:
+        with torch.no_grad():
+            model[0].weight.grad.to_local().view(-1)[0] = float("inf")
+    scale = scaler._scale.clone()
+    scaler.step(optimizer)
+    scaler.update()
+    return {"skipped": int(skipped_by_scale(scale, scaler._scale)), "scale": scaler.get_scale(),
+            "unchanged": all(torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))}
+
+
+def _two_ranks(rank, world, port, queue, root):
     out = {}
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 store=dist.TCPStore("127.0.0.1", port, world, rank == 0))
-        check_shared_dir(os.path.join(root, "shared"))  # one folder for both: passes
-        try:  # rank 1's "node" has a folder of its own under the same name
-            check_shared_dir(os.path.join(root, f"node{rank}"))
-        except UsageError as exc:
-            out["error"] = str(exc)
+        out["save_dir"] = _save_dir(rank, root)
+        out["fsdp2_scaler"] = _fsdp2_scaler_step(rank, world)
         dist.destroy_process_group()
     except Exception as exc:
         out["error"] = repr(exc)
     queue.put((rank, out))
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One gloo group of 2 spawned processes (helpers.spawn_ranks) for the checks below: (its folder, each rank's
+    results)."""
+    import functools
+
+    root = tmp_path_factory.mktemp("two_ranks")
+    return root, spawn_ranks(functools.partial(_two_ranks, root=str(root)))
+
+
 @pytest.mark.slow  # spawns a gloo group of 2 processes (helpers.spawn_ranks)
-def test_a_save_dir_only_one_rank_sees_is_refused_before_training(tmp_path):
+def test_a_save_dir_only_one_rank_sees_is_refused_before_training(two_ranks):
     """Two ranks whose --save-dir is a different folder on each "node" (a node-local /tmp): both refuse, in one
     line that names the folder and the rank that cannot see rank 0's files, where training would have failed at
     the first epoch's checkpoint. fit() runs the check before resuming or training (common/train.py)."""
-    import functools
-
-    got = spawn_ranks(functools.partial(_save_dir_rank, root=str(tmp_path)))
+    root, got = two_ranks
     for rank in (0, 1):
-        error = got[rank].get("error", "")
-        assert error.startswith(f"--save-dir {tmp_path}/node{rank} is not one folder for every rank: rank 1 ("), got
+        assert "error" not in got[rank], got
+        error = got[rank]["save_dir"].get("error", "")
+        assert error.startswith(f"--save-dir {root}/node{rank} is not one folder for every rank: rank 1 ("), got
         assert "\n" not in error
-    assert os.listdir(tmp_path / "shared") == []  # the token is gone
+    assert os.listdir(root / "shared") == []  # the token is gone
+
+
+@pytest.mark.slow  # the same group
+def test_every_fsdp2_rank_skips_a_step_one_shard_overflowed(two_ranks):
+    """accelerate_FSDP.py --precision fp16 runs on CUDA only; this is its scaler on CPU. FSDP2's gradients are
+    DTensors, each rank holding its shard, and accelerate's plain GradScaler checks only what a rank holds. The
+    check itself is a DTensor op whose handler takes the max of found_inf over the mesh
+    (torch/distributed/tensor/_dispatch.py found_inf_reduce_handler): both ranks skip, back off the same scale
+    and count the skip (common/accel.py skipped_by_scale). A rank that stepped while the other skipped would
+    update its shard alone, and the two would scale the next loss differently."""
+    _, got = two_ranks
+    for rank in (0, 1):
+        assert "error" not in got[rank], got
+        assert got[rank]["fsdp2_scaler"] == {"skipped": 1, "scale": 128.0, "unchanged": True}, (rank, got)
 
 
 def test_fit_checks_the_save_dir_before_resuming_or_training(monkeypatch):

@@ -110,6 +110,30 @@ def test_train_shards_disjoint_like_distributed_sampler():
     assert len(labels_by_rank[0]) + len(labels_by_rank[1]) == 64
 
 
+@pytest.mark.parametrize("loader", ["torch", "gpu"])
+def test_a_loader_without_inputs_walks_the_same_labels(loader):
+    """A pipeline's later stages (pytorch_PP.py) read only the labels: their loader yields the batches' labels
+    in the order the first stage's yields them, epoch after epoch, with images of no pixels that still move to
+    the device in channels-last, and starts no worker process."""
+    from common.train import _to_device
+
+    kw = dict(dataset="synthetic", image_size=24, batch_size=8, workers=0, train_samples=40, test_samples=4,
+              loader=loader)
+    full, _ = data.build_loaders(TrainConfig(**kw), 0, 1, torch.device("cpu"))
+    bare, _ = data.build_loaders(TrainConfig(**kw), 0, 1, torch.device("cpu"), inputs=False)
+    for epoch in (0, 1):
+        for ld in (full, bare):
+            (ld.sampler if loader == "torch" else ld).set_epoch(epoch)
+        got = [(x, y) for x, y in bare]
+        assert [y.tolist() for _, y in got] == [y.tolist() for _, y in full]
+        assert all(x.shape == (8, 3, 0, 0) for x, _ in got)
+    x, _ = _to_device(*got[0], torch.device("cpu"), torch.float32, channels_last=True)
+    assert x.is_contiguous(memory_format=torch.channels_last)
+    if loader == "torch":
+        workers, _ = data.build_loaders(TrainConfig(**{**kw, "workers": 2}), 0, 1, torch.device("cpu"), inputs=False)
+        assert workers.num_workers == 0
+
+
 def test_batch_must_divide_world():
     cfg = TrainConfig(batch_size=10, grad_accum=2)
     with pytest.raises(UsageError, match="multiple of 4"):
