@@ -284,8 +284,8 @@ def size_workers(cfg: TrainConfig, environ=os.environ) -> int:
 def build_loaders(cfg: TrainConfig, rank: int, world_size: int, device: torch.device, inputs: bool = True):
     """Returns (train_loader, test_loader). Train batches are per-rank micro-batches; the test loader
     yields (images, labels, valid) with every test sample valid on exactly one rank. inputs=False: train
-    batches of the same labels in the same order without their images (no pixels, no workers): a pipeline's
-    later stages, which read only the labels, load and copy no image (pytorch_PP.py)."""
+    batches of the same labels in the same order without their images (no pixels, no workers, no training
+    image kept): a pipeline's later stages, which read only the labels (pytorch_PP.py)."""
     if cfg.loader == "torch":
         size_workers(cfg)
     batch = per_rank_batch(cfg, world_size)
@@ -297,7 +297,8 @@ def build_loaders(cfg: TrainConfig, rank: int, world_size: int, device: torch.de
     if cfg.loader == "gpu":
         return GpuLoader(images, labels, batch, rank, world_size, cfg.seed, True, cfg.image_size, device,
                          cfg.augment, inputs), test
-    train_ds = ArrayDataset(images, labels, transforms(cfg.image_size, cfg.augment) if inputs else None)
+    train_ds = (ArrayDataset(images, labels, transforms(cfg.image_size, cfg.augment)) if inputs
+                else ArrayDataset(None, labels, None))  # the images let go: 150 MB of CIFAR10's a rank
     # the order is the sampler's (seed and epoch), not the transforms' random state: the same without images
     sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)

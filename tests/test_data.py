@@ -129,7 +129,10 @@ def test_a_loader_without_inputs_walks_the_same_labels(loader):
         assert all(x.shape == (8, 3, 0, 0) for x, _ in got)
     x, _ = _to_device(*got[0], torch.device("cpu"), torch.float32, channels_last=True)
     assert x.is_contiguous(memory_format=torch.channels_last)
+    if loader == "gpu":
+        assert bare.images is None  # nothing of the training images held on the device
     if loader == "torch":
+        assert bare.dataset.images is None
         workers, _ = data.build_loaders(TrainConfig(**{**kw, "workers": 2}), 0, 1, torch.device("cpu"), inputs=False)
         assert workers.num_workers == 0
 

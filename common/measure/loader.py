@@ -5,11 +5,11 @@ drawn from the run's own training loader and moved to the device (synchronized),
 (worker start-up) untimed, or with W workers their first round, the count rounded up to whole rounds,
 every rank starting after a garbage collection and a barrier. Where every rank's pipeline feeds its
 own share of the global batch (data parallel) the figure is summed over ranks; where each rank walks
-the whole global batch (a pipeline's stages, pytorch_PP.py: the first loads the images, the others the labels
-alone) it is the slowest rank's. It is compared
-with the training throughput at the end: a pipeline that is not clearly faster than training caps it
-(the warning says so). The probe leaves the training untouched: the loader's random state is restored,
-and the sampler's order depends on the epoch alone.
+the whole global batch (a pipeline's stages, pytorch_PP.py: the first loads its images, the others
+its labels alone) it is the slowest rank's. It is compared with the training throughput at the end:
+a pipeline that is not clearly faster than training caps it (the warning says so). The probe leaves
+the training untouched: the loader's random state is restored, and the sampler's order depends on the
+epoch alone.
 """
 from __future__ import annotations
 

@@ -106,7 +106,8 @@ def predict_setup(s, strategy: str, run: RunSetup, data: dict | None, path: str,
     if link is None:
         return None, f"no collectives calibrated at {s.world_size} ranks in {path}: run benchmark.py calibrate"
     # loader_img_s is summed over data-parallel ranks (each loads its share of the global batch) and
-    # the slowest stage's for a pipeline (each loads all of it): either way global batch / rate a step
+    # the slowest stage's for a pipeline (the first stage's: the only one that loads images, all of them):
+    # either way global batch / rate a step
     load_ms = s.batch_size / loader_img_s * 1e3 if loader_img_s else 0.0
     # --loader gpu has no workers: its transforms run on the step's own stream, before the forward
     inline = run.workers == 0 or run.loader == "gpu"
