@@ -275,29 +275,38 @@ def test_single_device_script_refuses_torchrun(refused_under_torchrun):
     assert rows(folder / "summary.csv") == []
 
 
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory):
+    """The one-process trainings of the two tests below, all started together (helpers.run_at_once): each keeps
+    one core busy with its imports and one-thread steps, and neither test checks a timing against another run.
+    A small learning rate for the compile pair: at 0.05 these 4 steps are unstable enough that inductor's
+    rounding alone moved the loss by 1e-2 on an AMD EPYC; at 1e-3 both give the same loss to 1e-6, while a
+    warm-up gradient left in place moves it by 4e-4."""
+    root = tmp_path_factory.mktemp("one_process")
+    jobs = {"learns": tiny_args(root / "learns", epochs=2, train_samples=1024, test_samples=500, batch_size=64,
+                                warmup_steps=5, target_accuracy=0.3),
+            "plain": tiny_args(root / "plain", lr=1e-3),
+            "compiled": tiny_args(root / "compiled", compile=True, lr=1e-3)}
+    got = run_at_once({k: ("pytorch_SingleGPU.py", args) for k, args in jobs.items()}, timeout=600)
+    return {k: (proc, root / k) for k, proc in got.items()}
+
+
 @pytest.mark.beside
-def test_training_learns_on_synthetic_data(tmp_path):
-    args = tiny_args(tmp_path, epochs=2, train_samples=1024, test_samples=500, batch_size=64, warmup_steps=5,
-                     target_accuracy=0.3)
-    check_ok(run("pytorch_SingleGPU.py", args))
-    (row,) = rows(tmp_path / "summary.csv")
+def test_training_learns_on_synthetic_data(one_process_runs):
+    proc, folder = one_process_runs["learns"]
+    check_ok(proc)
+    (row,) = rows(folder / "summary.csv")
     assert float(row["test_accuracy"]) > 0.5, row  # chance is 0.1
     # reached at an epoch end: no later than the whole training time
     assert 0 < float(row["time_to_target_s"]) <= float(row["train_time_s"])
 
 
 @pytest.mark.beside
-def test_compile_time_kept_apart_and_same_training(tmp_path):
-    plain, compiled = tmp_path / "plain", tmp_path / "compiled"
-    # a small learning rate: at 0.05 these 4 steps are unstable enough that inductor's rounding
-    # alone moved the loss by 1e-2 on an AMD EPYC; at 1e-3 both give the same loss to 1e-6, while a
-    # warm-up gradient left in place moves it by 4e-4
-    # the two at once: the plain run's 5 s go under the compile's; neither result depends on timing
-    got = run_at_once({"plain": ("pytorch_SingleGPU.py", tiny_args(plain, lr=1e-3)),
-                       "compiled": ("pytorch_SingleGPU.py", tiny_args(compiled, compile=True, lr=1e-3))}, timeout=600)
-    check_ok(got["plain"])
-    check_ok(got["compiled"])
-    (a,), (b,) = rows(plain / "summary.csv"), rows(compiled / "summary.csv")
+def test_compile_time_kept_apart_and_same_training(one_process_runs):
+    (plain, plain_dir), (compiled, compiled_dir) = one_process_runs["plain"], one_process_runs["compiled"]
+    check_ok(plain)
+    check_ok(compiled)
+    (a,), (b,) = rows(plain_dir / "summary.csv"), rows(compiled_dir / "summary.csv")
     assert a["compile_time_s"] == "" and float(b["compile_time_s"]) > float(b["train_time_s"])
     # the compile warm-up step leaves no trace: same start, same updates (up to kernel rounding)
     assert abs(float(a["train_loss"]) - float(b["train_loss"])) < 1e-4
