@@ -28,8 +28,8 @@ if "GLOO_SOCKET_IFNAME" not in os.environ:
 # The interpreter's own bin first on PATH, as `.ci/run`'s activated venv has it, also where pytest was started as
 # `.venv/bin/python -m pytest`: the tools the runs find there are then the venv's. The one that matters is ninja:
 # the venv ships pip's, and a system ninja hashes the same build command differently, so DeepSpeed's CPU op (the
-# set-up below) was rebuilt each time a process with the other ninja loaded it (a Slurm job's PATH puts the venv
-# first: tests/test_slurm.py slurm_env), 30-50 s each.
+# set-up below) was compiled again each time a process with the other ninja loaded it (a Slurm
+# job's PATH puts the venv first: tests/test_slurm.py slurm_env).
 _BIN = os.path.dirname(sys.executable)
 if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
     os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
