@@ -154,13 +154,17 @@ def ort_runner(session, device: torch.device):
     """A call of the session on a torch tensor that already lives on `device`, through IOBinding:
     input and output stay in device memory, so the CUDA latency has no host copies in it (plain
     session.run takes and returns numpy arrays, copying both ways). The outputs are synchronized
-    before the call returns, so the timer reads a finished inference."""
+    before the call returns, so the timer reads a finished inference. On CUDA the input is waited for
+    first: ONNX Runtime reads the bound pointer on a stream of its own, ordered after nothing torch
+    queued (onnxruntime issues 10299, 26609)."""
     io = session.io_binding()
     kind = "cuda" if device.type == "cuda" else "cpu"
     index = device.index or 0
 
     def run(x: torch.Tensor):
         x = x.float().contiguous()
+        if kind == "cuda":  # the loader's copy and the cast above may still be queued on torch's stream
+            torch.cuda.current_stream(x.device).synchronize()
         io.bind_input("images", kind, index, np.float32, tuple(x.shape), x.data_ptr())
         io.bind_output("logits", kind, index)
         session.run_with_iobinding(io)

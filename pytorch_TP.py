@@ -48,7 +48,15 @@ from common import (
 )
 from common.distributed import fsdp_no_sync
 from common.models import blocks
-from common.tensor_parallel import check_degree, default_degree, merge_attention, param_groups, plan, split_attention
+from common.tensor_parallel import (
+    check_degree,
+    check_layout,
+    default_degree,
+    merge_attention,
+    param_groups,
+    plan,
+    split_attention,
+)
 
 
 @dataclass
@@ -70,6 +78,7 @@ def main(cfg):
     if world_size % cfg.tp:
         raise UsageError(f"--tp {cfg.tp} does not divide the {world_size} processes")
     check_degree(model, cfg.tp)
+    check_layout(cfg.channels_last, world_size, cfg.tp)
     dp = world_size // cfg.tp
     mesh = init_device_mesh(device.type, (dp, cfg.tp), mesh_dim_names=("dp", "tp"))
     # the tp ranks of a dp group see the same images: loaders by dp rank

@@ -34,6 +34,18 @@ def check_precision(accelerator) -> None:
                          f"{accelerator.device.type} it would silently train in fp32); use --precision bf16 or fp32")
 
 
+def check_no_dynamo(accelerator) -> None:
+    """accelerate's own compile (`accelerate launch --dynamo_backend`, ACCELERATE_DYNAMO_BACKEND): prepare() would
+    compile the model where no timer sees it (accelerator.py prepare_model), the row would say compile False, and
+    in fp32 on CUDA it turns TF32 on whatever --tf32 says (accelerate/state.py AcceleratorState.__init__)."""
+    from accelerate.utils import DynamoBackend
+
+    backend = accelerator.state.dynamo_plugin.backend
+    if backend != DynamoBackend.NO:
+        raise UsageError(f"accelerate's dynamo backend ({backend.value.lower()}) compiles the model inside prepare(), "
+                         f"untimed and unrecorded; drop it (a script's own --compile is timed apart)")
+
+
 def check_world(accelerator, cfg: TrainConfig) -> tuple[int, int]:
     """Rank and world size from torch.distributed. Under accelerate's DeepSpeed path on CPU, accelerate
     has been seen reporting num_processes=1 and process_index=0 on every one of 2 ranks: trusting it
@@ -41,6 +53,7 @@ def check_world(accelerator, cfg: TrainConfig) -> tuple[int, int]:
     from .precision import check_cpu_bf16_convolutions
 
     check_precision(accelerator)
+    check_no_dynamo(accelerator)
     check_cpu_bf16_convolutions(cfg, accelerator.mixed_precision, accelerator.device)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -16,6 +16,8 @@ Fields:
   max_processes  the most processes benchmark.py starts for it (a pipeline: 4, one per ResNet stage;
                pytorch_PP.py itself cuts other families between their blocks, up to one per block)
   preset_args / cpu_preset_args  flags every preset adds for this script (all hardware / CPU only)
+  no_channels_last  why it refuses --channels-last: its engine cannot train channels-last weights
+               (common/strategies.py cites the library's call); empty: it trains them
   label        prefix of the CSV's `precision` for a run that is not fp32: how the half precision is
                applied (amp_ autocast, pure_ the whole model cast, mp_ FSDP's MixedPrecisionPolicy,
                ds_ DeepSpeed's own fp16/bf16 engine); empty: the precision as given. The scripts report the
@@ -28,6 +30,7 @@ import os
 from dataclasses import dataclass, field
 
 from .config import PROJECT_ROOT
+from .strategies import DEEPSPEED_NO_CHANNELS_LAST, FSDP2_NO_CHANNELS_LAST
 
 ALL_PRECISIONS = ("fp32", "fp16", "bf16")
 
@@ -47,6 +50,7 @@ class Script:
     preset_args: dict = field(default_factory=dict)
     cpu_preset_args: dict = field(default_factory=dict)
     label: str = ""
+    no_channels_last: str = ""
 
     @property
     def distributed(self) -> bool:
@@ -95,18 +99,19 @@ SCRIPTS = [
     Script("pytorch_DDP_ZeRO.py", "ddp_zero", "torchrun", ALL_PRECISIONS,
            "DDP + `ZeroRedundancyOptimizer` (optimizer state sharded)", label="amp_"),
     Script("pytorch_FSDP.py", "fsdp", "torchrun", ALL_PRECISIONS,
-           "FSDP2 `fully_shard` per block (ResNet's, ViT's EncoderBlock; `--sharding`, `--cpu-offload`)", label="mp_"),
+           "FSDP2 `fully_shard` per block (ResNet's, ViT's EncoderBlock; `--sharding`, `--cpu-offload`)", label="mp_",
+           no_channels_last=FSDP2_NO_CHANNELS_LAST),
     Script("pytorch_DeepSpeed.py", "deepspeed", "deepspeed", ALL_PRECISIONS,
            "DeepSpeed ZeRO 1/2/3 from the JSON (`--deepspeed_config`, `--offload`)",
-           deepspeed_config="config/zero_stage2_config.json", label="ds_"),
+           deepspeed_config="config/zero_stage2_config.json", label="ds_", no_channels_last=DEEPSPEED_NO_CHANNELS_LAST),
     Script("accelerate_DDP.py", "accelerate_ddp", "accelerate", ALL_PRECISIONS,
            "accelerate, DDP underneath", accelerate_config="config/default_DDP.yml"),
     Script("accelerate_FSDP.py", "accelerate_fsdp", "accelerate", ALL_PRECISIONS,
            "accelerate FSDP2, wrap classes derived from the model", accelerate_config="config/default_FSDP.yml",
-           needs_cuda=True),
+           needs_cuda=True, no_channels_last=FSDP2_NO_CHANNELS_LAST),
     Script("accelerate_DeepSpeed.py", "accelerate_deepspeed", "accelerate", ALL_PRECISIONS,
            "accelerate + DeepSpeed ZeRO from the JSON the YAML names", accelerate_config="config/default_DeepSpeed.yml",
-           deepspeed_config="config/zero_stage2_config.json", label="ds_"),
+           deepspeed_config="config/zero_stage2_config.json", label="ds_", no_channels_last=DEEPSPEED_NO_CHANNELS_LAST),
 ]
 BY_FILE = {s.file: s for s in SCRIPTS}
 

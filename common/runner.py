@@ -85,6 +85,8 @@ def launch(main, script_file: str, cfg_cls=TrainConfig, **defaults) -> None:
     code, cfg, row_extra = 0, None, {}
     try:
         cfg = parse_config(cfg_cls, doc, entry.precisions, **defaults)
+        if cfg.channels_last and entry.no_channels_last:  # before any process group: every rank says it alone
+            raise UsageError(f"--channels-last: {entry.no_channels_last}; run without it (DDP keeps NHWC weights)")
         if global_rank() == 0:
             check_results_path(cfg.results)
         if cfg.save_dir and os.path.exists(cfg.save_dir) and not os.path.isdir(cfg.save_dir):

@@ -42,6 +42,20 @@ class Strategy:
     def deepspeed(self) -> bool:
         return self.family == "deepspeed"
 
+    @property
+    def no_channels_last(self) -> str:
+        """Why its engine cannot train channels-last weights (its scripts refuse --channels-last); "" where it can."""
+        return FSDP2_NO_CHANNELS_LAST if self.fsdp else DEEPSPEED_NO_CHANNELS_LAST if self.deepspeed else ""
+
+
+# the engines that take no channels-last weight, on any device: the call that rejects one
+FSDP2_NO_CHANNELS_LAST = ("FSDP2 shards contiguous parameters only (torch/distributed/fsdp/_fully_shard/_fsdp_param.py "
+                          "FSDPParam._init_sharded_param raises NotImplementedError)")
+DEEPSPEED_NO_CHANNELS_LAST = ("DeepSpeed's initialize broadcasts every parameter viewed as bytes, which a "
+                              "channels-last weight cannot be (deepspeed/runtime/engine.py "
+                              "DeepSpeedEngine._broadcast_model), and ZeRO re-lays the weights out as views of one "
+                              "contiguous buffer")
+
 
 _ALL_REDUCE = "all-reduce the gradients"
 # DeepSpeed 0.19 all-reduces each gradient bucket (average_tensor, use_multi_rank_bucket_allreduce on by default):

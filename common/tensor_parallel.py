@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import UsageError
+from .strategies import FSDP2_NO_CHANNELS_LAST
 
 
 class SplitAttention(nn.Module):
@@ -152,6 +153,14 @@ def check_degree(model: nn.Module, tp: int) -> None:
         if n % tp or mlp % tp:
             raise UsageError(f"--tp {tp} does not divide the model's {n} attention heads and MLP width {mlp}; "
                              f"use a divisor of {n}")
+
+
+def check_layout(channels_last: bool, world_size: int, tp: int) -> None:
+    """The ranks left over tp shard with FSDP2, which takes no channels-last weight; tp alone (tp = world size)
+    keeps them."""
+    if channels_last and world_size // tp > 1:
+        raise UsageError(f"--channels-last with {world_size // tp} data-parallel ranks (--tp {tp} of {world_size} "
+                         f"processes): {FSDP2_NO_CHANNELS_LAST}; run without it, or with --tp {world_size}")
 
 
 def plan() -> dict:

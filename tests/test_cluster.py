@@ -256,6 +256,33 @@ def _fsdp2_scaler_step(rank, world) -> dict:
             "unchanged": all(torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))}
 
 
+def _engines_take_channels_last(rank, world) -> dict:
+    """{engine: whether it wrapped a channels-last model, whether the same model in NCHW}: FSDP2's fully_shard and
+    DeepSpeed's initialize, on the group as the scripts have it."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before the import, as pytorch_DeepSpeed.py
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as a launcher sets them
+    import deepspeed
+
+    def wraps(engine, channels_last):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten())
+        model = model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        try:
+            if engine == "fsdp2":
+                fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+            else:
+                deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                     config={"train_micro_batch_size_per_gpu": 1})
+            return True
+        except (NotImplementedError, RuntimeError):  # fully_shard's, and a tensor's .view(torch.uint8)
+            return False
+
+    return {engine: (wraps(engine, True), wraps(engine, False)) for engine in ("fsdp2", "deepspeed")}
+
+
 def _two_ranks(rank, world, port, queue, root):
     """Each check's result, or its error, under its own name: one failing leaves the other's test to its own."""
     out = {}
@@ -263,14 +290,15 @@ def _two_ranks(rank, world, port, queue, root):
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60),
                                 store=dist.TCPStore("127.0.0.1", port, world, rank == 0))
         for name, check in (("save_dir", lambda: _save_dir(rank, root)),
-                            ("fsdp2_scaler", lambda: _fsdp2_scaler_step(rank, world))):
+                            ("fsdp2_scaler", lambda: _fsdp2_scaler_step(rank, world)),
+                            ("channels_last", lambda: _engines_take_channels_last(rank, world))):
             try:
                 out[name] = check()
             except Exception as exc:
                 out[name] = {"error": repr(exc)}
         dist.destroy_process_group()
     except Exception as exc:
-        out = {"save_dir": {"error": repr(exc)}, "fsdp2_scaler": {"error": repr(exc)}}
+        out = {name: {"error": repr(exc)} for name in ("save_dir", "fsdp2_scaler", "channels_last")}
     queue.put((rank, out))
 
 
@@ -406,6 +434,25 @@ def test_an_optimizer_step_does_not_wait_for_the_device(monkeypatch, precision, 
         assert syncs == [], syncs
 
 
+@pytest.mark.parametrize("backend", ["inductor", "no"])
+def test_accelerates_own_compile_is_refused(monkeypatch, backend):
+    """`accelerate launch --dynamo_backend inductor` sets ACCELERATE_DYNAMO_BACKEND, which accelerate's plugin
+    reads (utils/dataclasses.py TorchDynamoPlugin.__post_init__): the model would be compiled in prepare(), untimed,
+    under a row saying compile False (and TF32 turned on in fp32 on CUDA)."""
+    from accelerate.utils import TorchDynamoPlugin
+
+    from common.accel import check_no_dynamo
+    from common.config import UsageError
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", backend)
+    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(dynamo_plugin=TorchDynamoPlugin()))
+    if backend == "no":
+        check_no_dynamo(accelerator)
+        return
+    with pytest.raises(UsageError, match=r"accelerate's dynamo backend \(inductor\) compiles the model inside "):
+        check_no_dynamo(accelerator)
+
+
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler")  # the first step: skipped
 @pytest.mark.parametrize("fused", [True, False])
 def test_accelerate_counts_the_steps_its_scaler_skips(monkeypatch, fused):
@@ -451,3 +498,13 @@ def test_a_step_is_skipped_where_the_scale_backs_off_or_has_reached_zero(before,
     from common.accel import skipped_by_scale
 
     assert skipped_by_scale(torch.tensor(before), torch.tensor(after)).item() == skipped
+
+
+@pytest.mark.slow  # the same group
+def test_fsdp2_and_deepspeed_still_take_no_channels_last_weight(two_ranks):
+    """What the scripts' --channels-last refusal stands on (common/strategies.py): FSDP2's fully_shard and
+    DeepSpeed's initialize reject a channels-last model and wrap the same model in NCHW. A release that takes it
+    turns this red, and the refusal can go."""
+    _, got = two_ranks
+    for rank in (0, 1):
+        assert got[rank]["channels_last"] == {"fsdp2": (False, True), "deepspeed": (False, True)}, (rank, got)

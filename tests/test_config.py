@@ -1,7 +1,10 @@
+import sys
+
 import pytest
 from helpers import one_line_error, rows, run_at_once, tiny_args
 
 from common.config import TrainConfig, UsageError, parse_config
+from common.registry import BY_FILE, SCRIPTS
 
 
 def write(tmp_path, text):
@@ -139,6 +142,25 @@ def test_an_unknown_model_is_refused_while_parsing():
     with pytest.raises(UsageError, match="unknown model 'no_such_model'"):
         parse_config(TrainConfig, argv=["--model", "no_such_model"])
     assert parse_config(TrainConfig, argv=["--model", "resnet18"]).model == "resnet18"
+
+
+@pytest.mark.parametrize("script", [s.file for s in SCRIPTS if s.no_channels_last])
+def test_channels_last_is_refused_where_the_engine_takes_no_channels_last_weight(script, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """FSDP2 and DeepSpeed fail at wrap time on a channels-last weight, with a traceback and a failed row (the
+    two-rank group of test_cluster.py checks the libraries still do): refused in one line, before any process
+    group, and no row."""
+    from common.config import DistributedConfig
+    from common.runner import launch
+
+    results = tmp_path / "summary.csv"
+    monkeypatch.setattr(sys, "argv", [script, "--channels-last", "--device", "cpu", "--results", str(results)])
+    with pytest.raises(SystemExit) as exit_:
+        launch(lambda cfg: pytest.fail("it trained"), script, DistributedConfig)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"{script}: error: --channels-last: {BY_FILE[script].no_channels_last}; run without it")
+    assert not results.exists()
 
 
 # through the script, a refusal of each stage: argparse's, parse_config's, and the set-up's in main (each process

@@ -100,6 +100,38 @@ def test_onnx_export_leaves_the_measured_model_as_it_was(tmp_path):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_onnx_runtime_reads_a_device_input_only_once_torch_has_written_it(monkeypatch, device):
+    """CPU twin of the CUDA line in ort_runner: ONNX Runtime runs on a stream of its own and reads the bound
+    pointer in no order with torch's stream (onnxruntime issues 10299, 26609), so torch's stream is waited for
+    before the input is bound; on the CPU nothing is queued."""
+    import model_inference
+
+    calls = []
+
+    class Binding:
+        def bind_input(self, *args):
+            calls.append("bind_input")
+
+        def bind_output(self, *args):
+            calls.append("bind_output")
+
+        def synchronize_outputs(self):
+            calls.append("synchronize_outputs")
+
+        def get_outputs(self):
+            return ["logits"]
+
+    session = types.SimpleNamespace(io_binding=Binding, run_with_iobinding=lambda io: calls.append("run"))
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda d=None: types.SimpleNamespace(synchronize=lambda: calls.append("torch's stream")))
+    run_once, _ = model_inference.ort_runner(session, torch.device(device, 0) if device == "cuda" else
+                                             torch.device("cpu"))
+    run_once(torch.zeros(2, 3, 8, 8))
+    waited = ["torch's stream"] if device == "cuda" else []
+    assert calls == [*waited, "bind_input", "bind_output", "run", "synchronize_outputs"]
+
+
 @pytest.mark.parametrize("make, words", [
     (lambda p: p.write_bytes(b"garbage bytes"), "is not a PyTorch checkpoint"),
     (lambda p: torch.save({"epoch": 3}, p), "is not a plain state_dict"),

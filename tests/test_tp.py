@@ -67,6 +67,17 @@ def test_degrees_and_families_refused():
         split_attention(torchvision.models.resnet18())
 
 
+def test_channels_last_is_refused_where_dp_ranks_shard():
+    """The ranks left over tp shard with FSDP2, which takes no channels-last weight; tp over every rank keeps them."""
+    from common.tensor_parallel import check_layout
+
+    with pytest.raises(UsageError, match=r"--channels-last with 2 data-parallel ranks \(--tp 2 of 4 processes\): "
+                                         "FSDP2 shards contiguous parameters only"):
+        check_layout(True, 4, 2)
+    check_layout(True, 4, 4)
+    check_layout(False, 4, 2)
+
+
 def test_the_default_degree_keeps_every_tp_group_on_one_node():
     """--tp 0 takes the largest degree dividing the heads and a node's processes (LOCAL_WORLD_SIZE): tp's
     per-block all-reduces never cross the network, whatever the world size."""

@@ -135,7 +135,9 @@ def setups(opts) -> list[Setup]:
         world = opts.gpus if info.data_parallel else 1
         zero = _zero_json(info.zero_stage) if info.deepspeed else base.zero
         out.append(replace(base, strategy=st, precision=precision, world_size=world, zero=zero))
-    return out
+    # FSDP2 and DeepSpeed take no channels-last weight: their scripts refuse the flag, so they are priced as they
+    # can run, in NCHW (advise() says so)
+    return [replace(s, channels_last=False) if of(s.strategy).no_channels_last else s for s in out]
 
 
 def _zero_json(stage: int) -> dict:
@@ -238,6 +240,10 @@ def advise(opts) -> int:
         why = _tp_left_out(st, opts)
         if why:
             print(f"not predicted: {st}: {why}")
+    if getattr(opts, "channels_last", False):
+        nchw = [st for st in preds if of(st).no_channels_last]
+        print(f"in NCHW, as their scripts run (they refuse --channels-last: FSDP2 and DeepSpeed take no channels-last "
+              f"weight): {', '.join(nchw)}")
     print("recommendation: " + recommend(preds, opts))
     if opts.calibration or opts.gpu:
         from .advise_time import time_tables
