@@ -10,5 +10,6 @@ rm -rf .whl && mkdir -p .whl
 DS_BUILD_OPS=0 python -m pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-  hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+  hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+  typing-extensions==4.16.0  # pydantic 2.14's floor; the image's own version is not known (KINDS.md names it only)
 ls .whl; du -sh .whl

@@ -34,6 +34,12 @@ from .train import Diverged
 
 
 def git_commit() -> str:
+    """HEAD (+dirty), or where git cannot tell (a copy of the tree without .git, as a GPU lease runs it) the
+    GIT_COMMIT the caller names (.gpu/run.sh; CI servers such as Jenkins set it too)."""
+    return _git_head() or os.environ.get("GIT_COMMIT", "").strip()
+
+
+def _git_head() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=PROJECT_ROOT, capture_output=True,
                               text=True, timeout=10).stdout.strip()

@@ -12,7 +12,7 @@ from helpers import ROOT, proc_stat
 GPU_DIR = os.path.join(ROOT, ".gpu")
 
 
-@pytest.mark.parametrize("script", ["run.sh", "peer.sh", "fetch_peer.sh"])
+@pytest.mark.parametrize("script", ["run.sh", "peer.sh", "fetch_peer.sh", "fetch_wheels.sh"])
 def test_the_lease_scripts_parse(script):
     assert subprocess.run(["bash", "-n", os.path.join(GPU_DIR, script)]).returncode == 0
 
@@ -91,9 +91,11 @@ def test_part_1_skips_what_no_longer_fits_and_packs_what_it_ran(tmp_path):
     with tarfile.open(os.path.join(out, "logs.tgz")) as tar:
         names = tar.getnames()
         skipped = tar.extractfile("logs/skipped.txt").read().decode()
+        steps = tar.extractfile("logs/steps.txt").read().decode()
     assert "logs/amp_defaults_32.log" in names
-    assert [ln.split()[0] for ln in skipped.splitlines()] == ["fp32_gpu_no-channels-last", "fp32_gpu_channels-last",
-                                                              "amp_defaults_256"]
+    assert [ln.split()[0] for ln in skipped.splitlines()] == ["amp_defaults_256", "fp32_gpu_no-channels-last",
+                                                              "fp32_gpu_channels-last"]
+    assert [ln.split()[0] for ln in steps.splitlines() if " exit " in ln] == [r.split("/")[1] for r in ran]
 
 
 def test_the_peer_s_launches_are_packed_as_they_finish(tmp_path):
@@ -106,7 +108,8 @@ def test_the_peer_s_launches_are_packed_as_they_finish(tmp_path):
     proc, out, _ = _lease(tmp_path, "1", 500, peer="peer")
     assert proc.returncode == 0, proc.stderr
     ran = open(os.path.join(out, "rows.csv")).read().split()
-    assert ran[-3:] == [f"lease/peer_ours_amp_fp16_{i}" for i in (1, 2, 3)]
+    assert ran[-5:] == [*(f"lease/peer_ours_amp_fp16_{i}" for i in (1, 2, 3)), "lease/fp32_gpu_no-channels-last",
+                        "lease/fp32_gpu_channels-last"]  # fp32's layout pair last: it matters least there
     with tarfile.open(os.path.join(out, "logs.tgz")) as tar:
         assert {f"logs/peer/dle_amp_{i}.log" for i in (1, 2, 3)} <= set(tar.getnames())
     assert len(os.listdir(out)) <= 8
@@ -119,7 +122,20 @@ def test_part_2_says_what_it_skipped_in_the_files_that_come_back(tmp_path):
     assert os.path.exists(os.path.join(out, "gpu_tier.txt")) and len(os.listdir(out)) <= 8
     (tmp_path / "short").mkdir()
     proc, out, _ = _lease(tmp_path / "short", "2", 30)
-    assert "gpu tier skipped" in open(os.path.join(out, "gpu_tier.txt")).read()
+    assert "gpu tier (not throughput_single_rows" in open(os.path.join(out, "gpu_tier.txt")).read()
+    assert ") skipped: " in open(os.path.join(out, "gpu_tier.txt")).read()
+
+
+def test_part_2_runs_what_changed_first_and_names_the_commit(tmp_path):
+    """TIER_FIRST's tests before the rest of the untimed tier, each pass's exit in steps.txt, which comes back; the
+    tree travels without .git, so env.txt names the commit the caller gives."""
+    proc, out, _ = _lease(tmp_path, "2", 400, extra={"TIER_FIRST": "FSDP or inference", "GIT_COMMIT": "abc1234"})
+    assert proc.returncode == 0, proc.stderr
+    steps = [ln for ln in open(os.path.join(out, "steps.txt")).read().splitlines() if ln.startswith("gpu tier (")]
+    assert [ln.split(") exit ")[0] for ln in steps] == [
+        "gpu tier ((not throughput_single_rows and not calibrated and not bubble_lane) and (FSDP or inference)",
+        "gpu tier ((not throughput_single_rows and not calibrated and not bubble_lane) and not (FSDP or inference)"]
+    assert "commit abc1234" in open(os.path.join(out, "env.txt")).read()
 
 
 def _gone(pid: int) -> bool:

@@ -129,3 +129,15 @@ def test_the_project_version_is_the_results_schemas_release():
 
     with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "pyproject.toml")) as fh:
         assert re.search(r'^version = "([^"]+)"', fh.read(), re.M).group(1) == SCHEMA_VERSION
+
+
+def test_a_tree_without_git_takes_the_commit_its_caller_names(monkeypatch):
+    """A GPU lease runs a copy of the tree without .git (.gpu/run.sh passes GIT_COMMIT): the rows still name the
+    commit; where git answers, git's HEAD wins."""
+    from common import runner
+
+    monkeypatch.setenv("GIT_COMMIT", "abc1234")
+    monkeypatch.setattr(runner, "_git_head", lambda: "")
+    assert runner.git_commit() == "abc1234"
+    monkeypatch.setattr(runner, "_git_head", lambda: "0fd9bbe+dirty")
+    assert runner.git_commit() == "0fd9bbe+dirty"
