@@ -187,10 +187,13 @@ def test_gpu_loader_draws_augmentation_per_rank():
     assert torch.equal(again, batches[1])  # still a function of (seed, epoch, rank)
 
 
-@pytest.mark.parametrize("per_rank, op, want", [(8, "sum", 2 * 100.0), (16, "max", 50.0)])
-def test_loader_rate_over_ranks(monkeypatch, per_rank, op, want):
+@pytest.mark.parametrize("per_rank, accum, op, want", [(8, 1, "sum", 2 * 100.0), (16, 1, "max", 50.0),
+                                                      (4, 2, "sum", 2 * 100.0), (8, 2, "max", 50.0)])
+def test_loader_rate_over_ranks(monkeypatch, per_rank, accum, op, want):
     """Data parallel: each of 2 ranks reads 8 of the global 16, and the pipeline's rate is their sum.
-    A pipeline's stages each read all 16 (pytorch_PP.py): the rate is the slowest rank's, not 2x. The ranks
+    A pipeline's stages each read all 16 (pytorch_PP.py): the rate is the slowest rank's, not 2x. With
+    --grad-accum 2 a batch is half a rank's share: 4 of 8 is still data parallel, and 8 of 16 (2 tensor-parallel
+    ranks reading the same images) is not. The ranks
     start together (a barrier): one that probed while another built its model measured a sixth of the rate;
     and with no garbage left to collect: a full collection of the set-up's objects (155 ms in a DDP+ZeRO
     rank) fell in its probe of 10 batches at every launch."""
@@ -214,7 +217,7 @@ def test_loader_rate_over_ranks(monkeypatch, per_rank, op, want):
     clock = iter(range(100))
     monkeypatch.setattr(loader_mod.time, "perf_counter", lambda: next(clock) * per_rank / 100.0)
     batches = [(torch.zeros(per_rank, 3, 2, 2), torch.zeros(per_rank)) for _ in range(4)]
-    cfg = SimpleNamespace(loader_probe_batches=1, batch_size=16)
+    cfg = SimpleNamespace(loader_probe_batches=1, batch_size=16, grad_accum=accum)
     hooks = SimpleNamespace(device=torch.device("cpu"))
     monkeypatch.setattr("common.checkpoint.rng_state", lambda loader: None)
     monkeypatch.setattr("common.checkpoint.set_rng_state", lambda state, loader: None)

@@ -1,6 +1,7 @@
 """CUDA-only decisions checked on CPU against fakes of what torch.cuda and NVML return: the device
 a rank picks, the process-group backend, the NVML handle and memory query, the fingerprint."""
 import os
+import time
 import types
 
 import pytest
@@ -112,6 +113,35 @@ def test_nvml_handle_by_uuid_never_by_index(monkeypatch, uuid, known, found):
 
 def test_nvml_memory_uses_the_v2_query():
     assert probes.nvml_used_bytes(FakeNVML(set()), "h") == 5
+
+
+def test_the_gpu_probes_read_nothing_after_the_window_and_no_idle_before_it(monkeypatch):
+    """CPU twin of the CUDA probes (common/measure/probes.py) with fake counters: the last epoch's checkpoint
+    save and evaluation come after its pause and before stop(); neither their allocator peak nor their NVML
+    memory counts. The utilization thread's first sample waits an interval (here longer than the window): the
+    only sample is the one taken as the window pauses, not one at its opening describing the idle before it."""
+    state = {"peak": 0, "used": 0, "util": 0.0}
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: state.update(peak=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: state["peak"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: state["peak"])
+
+    class NVML(FakeNVML):
+        def nvmlDeviceGetUtilizationRates(self, handle):
+            return types.SimpleNamespace(gpu=state["util"])
+
+        def nvmlDeviceGetMemoryInfo(self, handle, version=None):
+            return types.SimpleNamespace(used=state["used"])
+
+    p = probes.Probes([], torch.device("cpu"), interval_s=60.0)
+    p.devices, p.pynvml, p.handles = [torch.device("cuda", 0)], NVML(set()), ["h"]
+    p.start()  # the window opens on an idle GPU
+    time.sleep(0.05)  # a sampler that reads at the opening has done so by now
+    state.update(peak=5 << 30, used=6 << 30, util=90.0)  # the timed steps
+    p.pause()  # the last epoch's end
+    state.update(peak=9 << 30, used=10 << 30, util=10.0)  # its checkpoint save and final evaluation
+    p.stop()
+    assert (p.alloc_peak, p.reserved_peak, p.nvml_peak) == (5 << 30, 5 << 30, 6 << 30)
+    assert p.util_samples == [90.0]
 
 
 def test_fingerprint_empty_where_it_does_not_apply():

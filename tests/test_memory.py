@@ -45,6 +45,21 @@ def check_model_state(row: dict) -> None:
         assert abs(float(row["pred_error_pct"])) < 50, row["pred_error_pct"]
 
 
+def test_model_state_of_a_process_on_two_gpus_is_its_busiest_gpus():
+    """pytorch_MP.py drives two GPUs from one process: its model state, as its memory peaks, is the busiest
+    device's, not the two halves summed. CPU twin: the walk's storages keyed by device as CUDA tensors give them;
+    views into one storage count once."""
+    from common.measure.model_state import StorageWalk
+
+    walk = StorageWalk("cpu")
+    flat = torch.zeros(10)
+    for t in (flat, flat[:5], torch.zeros(3)):  # "cuda:0": 40 + 12 bytes
+        walk.add(t)
+    assert walk.total == 52
+    walk.sizes[("cuda:1", 1)] = 60  # the other half, on the other GPU
+    assert walk.total == 60
+
+
 # one run each at 3 ranks (tests/launches.py MODEL_STATE_AT_3), beside test_scripts.py's (check_row): its fp32
 # runs of DDP, DDP+ZeRO, FSDP full shard, DeepSpeed ZeRO-3 and accelerate DDP are at 3 ranks, its
 # half-precision runs at 2 (ZeRO-1 through pytorch_DeepSpeed.py fp16 and accelerate_DeepSpeed.py bf16, ZeRO-2

@@ -80,7 +80,8 @@ def probe_loader(loader, cfg, hooks) -> float | None:
     del batches_it
     set_rng_state(state, loader)
     rate = images / elapsed if elapsed > 0 else None
-    copies = per_batch * world_size() / cfg.batch_size  # ranks that load each image
+    # ranks that load each image: a loader's batch is a micro-batch, the global batch over ranks and accumulation
+    copies = per_batch * getattr(cfg, "grad_accum", 1) * world_size() / cfg.batch_size
     if copies <= 1:  # each rank its share (a last short batch too)
         return reduce_metrics({"r": rate}, hooks.device, "sum")["r"]
     if copies < world_size():  # tensor parallelism over dp groups: the tp ranks of a group load the same images

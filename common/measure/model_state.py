@@ -33,7 +33,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class StorageWalk:
-    """Unique storages of one device type, keyed by address."""
+    """Unique storages of one device type, keyed by device and address. A process that drives two GPUs (model
+    parallelism) holds each half on its own: its total is the busiest device's, as its memory peaks are."""
 
     def __init__(self, device_type: str):
         self.device_type, self.sizes = device_type, {}
@@ -47,7 +48,7 @@ class StorageWalk:
             return  # offloaded state lives in host memory, not on the rank's device
         storage = t.untyped_storage()
         if storage.nbytes():
-            self.sizes[storage.data_ptr()] = storage.nbytes()
+            self.sizes[(str(t.device), storage.data_ptr())] = storage.nbytes()
 
     def model(self, model: nn.Module) -> None:
         for p in model.parameters():
@@ -77,7 +78,10 @@ class StorageWalk:
 
     @property
     def total(self) -> int:
-        return sum(self.sizes.values())
+        per_device: dict[str, int] = {}
+        for (device, _), nbytes in self.sizes.items():
+            per_device[device] = per_device.get(device, 0) + nbytes
+        return max(per_device.values(), default=0)
 
 
 def model_state_bytes(model: nn.Module, optimizer, device_type: str) -> int:

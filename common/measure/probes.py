@@ -2,14 +2,19 @@
 
 peak_allocated_gib / peak_reserved_gib: torch.cuda's peak counters (tensors / tensors + the caching
     allocator's cached blocks). Reset when the window opens, so the warm-up steps' cuDNN autotuning
-    workspaces and compile autotuning do not count; reset again after every pause, so an epoch-end
-    checkpoint save does not count either (the peak before the pause is kept).
+    workspaces and compile autotuning do not count in the allocated peak; reset again after every pause,
+    so an epoch-end checkpoint save does not count either (the peak before the pause is kept). A reset
+    sets a peak to the current value: the reserved one keeps the blocks cached before the window.
 peak_nvml_gib: the device's used memory as NVML sees it (CUDA context, NCCL buffers and every other
     process on that GPU included), the largest sample taken inside the window. NVML's v2 memory
     query is used: its `used` excludes the memory the driver reserves for itself, which v1 counts.
 gpu_util_mean / gpu_util_peak: NVML's utilization.gpu in percent (share of the sample period in
     which a kernel ran), sampled every `interval_s` by a background thread, inside the window only
-    (not during worker start-up, warm-up or checkpoint saves).
+    (not during worker start-up, warm-up or checkpoint saves): the first sample an interval after the
+    window opens or resumes (one taken at the opening would describe the idle time before it), the last
+    as it pauses.
+Nothing is read after the last pause: the last epoch's checkpoint save and evaluation come between it
+    and stop().
 
 Across ranks: peaks are the max over ranks, the utilization mean is the mean over ranks. A
 DataParallel process drives several GPUs: its peaks are those of the busiest GPU.
@@ -74,11 +79,11 @@ class Probes(Instrument):
         self._sampling = threading.Event()
         self._stop = threading.Event()
         self._thread = None
-        self.started = False
+        self.started = self.active = False
 
     # --- the window ---
     def start(self) -> None:
-        self.started = True
+        self.started = self.active = True
         self._reset_peaks()
         if self.handles:
             self._thread = threading.Thread(target=self._run, name="gpu-probe", daemon=True)
@@ -86,22 +91,27 @@ class Probes(Instrument):
             self._thread.start()
 
     def pause(self) -> None:
+        if not self.active:
+            return
+        self.active = False
         self._sampling.clear()
+        if self._thread is not None:
+            self._sample()
         self._keep_peaks()
 
     def resume(self) -> None:
+        self.active = True
         self._reset_peaks()
         if self._thread is not None:
             self._sampling.set()
 
     def stop(self) -> None:
+        self.pause()  # a window still open ends here; after a pause nothing more is the window's
         if self._thread is not None:
-            self._sample()
             self._stop.set()
             self._sampling.set()
             self._thread.join()
             self._thread = None
-        self._keep_peaks()
 
     # --- sampling ---
     def _reset_peaks(self) -> None:
@@ -127,10 +137,11 @@ class Probes(Instrument):
     def _run(self) -> None:
         while not self._stop.is_set():
             self._sampling.wait()
+            self._stop.wait(self.interval_s)  # a period inside the window first
             if self._stop.is_set():
                 break
-            self._sample()
-            self._stop.wait(self.interval_s)
+            if self._sampling.is_set():
+                self._sample()
 
     # --- the row ---
     def local(self) -> dict:
