@@ -261,7 +261,7 @@ def build_instruments(cfg: TrainConfig, model: nn.Module, hooks: TrainHooks, m: 
     measured = communicates(hooks.device)
     profiled = cfg.comm_steps if measured else 0
     comm = [CommRecorder(cfg.comm_steps, hooks.device)] if profiled else []  # its steps precede the window
-    parts = StepParts(hooks.device, comm[0] if comm else (_NoProfile() if measured else None))
+    parts = StepParts(hooks.device, exposed_comm_source(comm, measured, devices))
     state, times = ModelState(model, hooks.optimizer, hooks.device), StepTimes(hooks.device)
     return [probes, state, *comm, times, parts, Energy(devices, hooks.device, cfg.batch_size), HostShare(hooks.device),
             Flops(cfg.model, cfg.image_size, precision, devices, hooks.device, lambda: m.throughput_img_s),
@@ -279,11 +279,22 @@ def communicates(device: torch.device) -> bool:
 
 
 class _NoProfile:
-    """A distributed run with --comm-steps 0: its exposed communication was not measured."""
+    """A distributed run with --comm-steps 0, or one process driving several GPUs: its exposed communication
+    was not measured."""
 
     @staticmethod
     def exposed_ms_per_step():
         return None
+
+
+def exposed_comm_source(comm: list, measured: bool, devices: list) -> object | None:
+    """What StepParts reads the exposed communication from: the profiler's steps; nothing measured (an empty
+    column) for a distributed run that profiled none, or for one process on several GPUs (DataParallel's
+    scatter, replicate and gather, model parallelism's copies between its halves: inside forward and backward,
+    never profiled as collectives); None, 0 ms, where nothing communicates."""
+    if comm:
+        return comm[0]
+    return _NoProfile() if measured or len(set(devices)) > 1 else None
 
 
 def _to_device(x, y, device, input_dtype, channels_last):

@@ -306,3 +306,16 @@ def test_the_model_state_walk_runs_in_a_profiled_step_when_there_is_no_warm_up()
     w = TimedWindow(opens_at=0, device=torch.device("cpu"), instruments=[rec, prof], total_steps=8)
     w.epoch_start(0)
     assert rec.events == ["prelude"]  # armed with the profiler, before any timed step
+
+
+def test_exposed_communication_is_empty_where_nothing_profiles_it():
+    """DataParallel and model parallelism drive several GPUs from one process: their copies between GPUs are
+    on the step's path but never profiled as collectives, so step_comm_exposed_ms is empty there, not 0; a
+    single device has nothing to expose (0); a distributed run reads its profiler, or nothing without one."""
+    from common.train import exposed_comm_source
+
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert exposed_comm_source([], False, gpus).exposed_ms_per_step() is None
+    assert exposed_comm_source([], False, [torch.device("cuda", 0)]) is None
+    assert exposed_comm_source([], True, [torch.device("cuda", 0)]).exposed_ms_per_step() is None
+    assert exposed_comm_source(["recorder"], True, gpus) == "recorder"

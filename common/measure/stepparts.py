@@ -24,7 +24,9 @@ Exposed communication cannot be seen by marks. It is measured over the profiled 
 (common/measure/comm.py, before the window): per phase, the time inside that phase with a collective
 in flight and no compute op on the training thread (on GPU: no compute kernel). That time per step,
 taken out of the phase it fell in, is the window's step_comm_exposed_ms. Single-device rows have none; a
-distributed script on one CPU process has its own collectives' (gloo still runs them at world size 1).
+distributed script on one CPU process has its own collectives' (gloo still runs them at world size 1). One
+process on several GPUs (DataParallel, model parallelism) leaves it empty: its copies between GPUs are not
+collectives the profiler separates, and they stay in step_compute_ms.
 """
 from __future__ import annotations
 
