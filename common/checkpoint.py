@@ -24,13 +24,15 @@ from .distributed import all_gather_object, barrier, global_rank, grouped
 from .launching import local_world_size
 
 
-def check_shared_dir(folder: str, environ=os.environ) -> None:
+def check_shared_dir(folder: str, environ=os.environ, flag: str = "--save-dir") -> None:
     """Refuses, on every rank and before training, a --save-dir that not every rank sees as one folder.
     Rank 0 creates each epoch's folder and every rank writes into it (Checkpointer.save), and DeepSpeed's
     consolidation on rank 0 reads every rank's shards: on a node-local path (/tmp, /local/scratch) the
     second node's ranks would fail at the first epoch's end, after an epoch of training. Rank 0 writes a
     token there; each rank reads it after a collective; all learn who could not. Skipped on one node
-    (the launcher's local world is the whole world: one filesystem)."""
+    (the launcher's local world is the whole world: one filesystem). `flag` names the folder's flag in the
+    refusal: the folders of --results and --figures are checked too (a failed run's row is written by the
+    rank that failed first, on whichever node: common/distributed.py claim_failure_row)."""
     local = local_world_size(environ)
     if not grouped() or dist.get_world_size() == 1 or local == dist.get_world_size():
         return
@@ -47,7 +49,7 @@ def check_shared_dir(folder: str, environ=os.environ) -> None:
                 fh.flush()
                 os.fsync(fh.fileno())
         except OSError as exc:
-            problem = f"--save-dir {folder} cannot be written on rank 0 ({exc.strerror})"
+            problem = f"{flag} {folder} cannot be written on rank 0 ({exc.strerror})"
     token, problem = all_gather_object((token, problem))[0]  # rank 0's, after its write: a collective
     path = os.path.join(folder, f".shared-check-{token}")
     try:
@@ -60,7 +62,7 @@ def check_shared_dir(folder: str, environ=os.environ) -> None:
         os.remove(path)
     blind = [(rank, host) for rank, (ok, host) in enumerate(verdicts) if not ok]
     if problem or blind:
-        raise UsageError(problem or f"--save-dir {folder} is not one folder for every rank: rank"
+        raise UsageError(problem or f"{flag} {folder} is not one folder for every rank: rank"
                          f"{'s' if len(blind) > 1 else ''} {', '.join(f'{r} ({h})' for r, h in blind)} cannot see "
                          f"what rank 0 ({verdicts[0][1]}) writes there; give a directory on a filesystem every "
                          f"node shares, not a node-local one")

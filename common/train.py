@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -404,6 +405,9 @@ def fit(cfg: TrainConfig, model: nn.Module, train_loader, test_loader, hooks: Tr
     spe, device, m = steps_per_epoch(cfg, train_loader), hooks.device, Metrics()
     if checkpointer is not None and (cfg.epoch_checkpoints or cfg.resume or checkpointer.final_reads_every_rank):
         check_shared_dir(cfg.save_dir)  # every rank writes and reads there: refused before training if not shared
+    for flag, path in (("--results", cfg.results), ("--figures", getattr(cfg, "figures", ""))):
+        if path:  # a failed run's row: written by the first rank to fail, on any node
+            check_shared_dir(os.path.dirname(os.path.abspath(path)), flag=flag)
     saved = resume(cfg, checkpointer, m)
     loader_img_s = probe_loader(train_loader, cfg, hooks)
     net = model

@@ -222,7 +222,7 @@ def _save_dir(rank, root) -> dict:
 
     check_shared_dir(os.path.join(root, "shared"))  # one folder for both: passes
     try:  # rank 1's "node" has a folder of its own under the same name
-        check_shared_dir(os.path.join(root, f"node{rank}"))
+        check_shared_dir(os.path.join(root, f"node{rank}"), flag="--results")
     except UsageError as exc:
         return {"error": str(exc)}
     return {}
@@ -313,14 +313,15 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.mark.slow  # spawns a gloo group of 2 processes (helpers.spawn_ranks)
-def test_a_save_dir_only_one_rank_sees_is_refused_before_training(two_ranks):
-    """Two ranks whose --save-dir is a different folder on each "node" (a node-local /tmp): both refuse, in one
-    line that names the folder and the rank that cannot see rank 0's files, where training would have failed at
-    the first epoch's checkpoint. fit() runs the check before resuming or training (common/train.py)."""
+def test_a_folder_only_one_rank_sees_is_refused_before_training(two_ranks):
+    """Two ranks whose --results (as --save-dir) is a different folder on each "node" (a node-local /tmp): both
+    refuse, in one line that names the flag, the folder and the rank that cannot see rank 0's files, where a
+    failed run's row would have gone to the other node's disk (training would have failed at the first epoch's
+    checkpoint, for --save-dir). fit() runs the check before resuming or training (common/train.py)."""
     root, got = two_ranks
     for rank in (0, 1):
         error = got[rank]["save_dir"].get("error", "")
-        assert error.startswith(f"--save-dir {root}/node{rank} is not one folder for every rank: rank 1 ("), got
+        assert error.startswith(f"--results {root}/node{rank} is not one folder for every rank: rank 1 ("), got
         assert "\n" not in error
     assert os.listdir(root / "shared") == []  # the token is gone
 
@@ -342,8 +343,12 @@ def test_fit_checks_the_save_dir_before_resuming_or_training(monkeypatch):
     from common import train
     from common.config import UsageError
 
-    def refuse(folder):
-        raise UsageError(f"checked {folder}")
+    checked = []
+
+    def refuse(folder, flag="--save-dir"):
+        checked.append((flag, folder))
+        if flag == "--save-dir":
+            raise UsageError(f"checked {folder}")
 
     monkeypatch.setattr(train, "check_shared_dir", refuse)
     hooks = types.SimpleNamespace(device=torch.device("cpu"))
@@ -353,10 +358,14 @@ def test_fit_checks_the_save_dir_before_resuming_or_training(monkeypatch):
     # weights are consolidated from every rank's shards (DeepSpeed's ZeRO)
     from common.checkpoint import Checkpointer, DeepSpeedCheckpointer
 
-    quiet = TrainConfig(save_dir="/nowhere", epoch_checkpoints=False)
+    quiet = TrainConfig(save_dir="/nowhere", epoch_checkpoints=False, results="/shared/runs/summary.csv",
+                        figures="/shared/logs/run.json")
     monkeypatch.setattr(train, "resume", lambda *a: (_ for _ in ()).throw(RuntimeError("went on to train")))
+    checked.clear()
     with pytest.raises(RuntimeError, match="went on to train"):
         train.fit(quiet, None, [None], None, hooks, checkpointer=Checkpointer.__new__(Checkpointer))
+    # a failed run's row is written by the first rank to fail, on any node: the folders it writes are checked
+    assert checked == [("--results", "/shared/runs"), ("--figures", "/shared/logs")]
     with pytest.raises(UsageError, match="checked /nowhere"):
         train.fit(quiet, None, [None], None, hooks, checkpointer=DeepSpeedCheckpointer.__new__(DeepSpeedCheckpointer))
 
