@@ -55,6 +55,7 @@ from common.tensor_parallel import (
     merge_attention,
     param_groups,
     plan,
+    same_kernels_on_every_rank,
     split_attention,
 )
 
@@ -72,6 +73,7 @@ def main(cfg):
     info = init_distributed(cfg, standalone_group=True)
     world_size, device = info.world_size, info.device
     configure_backends(cfg, device)
+    same_kernels_on_every_rank(device)  # the replicated weights' gradients, bitwise equal on the tp ranks
     check_dtype_support(cfg.precision, device, cfg)
     model = split_attention(build_model(cfg)).to(device)  # same weights, q/k/v apart; every rank builds all of it
     cfg.tp = cfg.tp or default_degree(world_size, model)  # 0: e.g. 4 on a node of 8 GPUs for 12 heads, 1 on one

@@ -18,7 +18,8 @@ one DTensor before q, k and v read it, so their three partial gradients are adde
 reduced once (torch/distributed/tensor/_api.py _FromTorchTensor.backward redistributes the summed
 Partial gradient to Replicate), not three times. LayerNorms, the patch embedding, the class token,
 the position embedding and the head stay replicated: every rank computes them on the same replicated
-activations, so their gradients agree without communication.
+activations, so their gradients agree without communication, as long as every rank runs the same
+deterministic kernels (same_kernels_on_every_rank).
 """
 from __future__ import annotations
 
@@ -153,6 +154,19 @@ def check_degree(model: nn.Module, tp: int) -> None:
         if n % tp or mlp % tp:
             raise UsageError(f"--tp {tp} does not divide the model's {n} attention heads and MLP width {mlp}; "
                              f"use a divisor of {n}")
+
+
+def same_kernels_on_every_rank(device: torch.device) -> None:
+    """The replicated weights stay bitwise equal on the tp ranks only if each computes their gradients with
+    the same deterministic kernels. On CUDA, cuDNN autotuning (configure_backends turns it on) times the
+    candidate algorithms on each rank apart and may pick another one per rank for the patch embedding's
+    convolution, some of them non-deterministic (PyTorch's reproducibility notes: cudnn.benchmark and
+    cudnn.deterministic): the copies would drift apart, and rank 0's is the one saved. Without autotuning,
+    cuDNN's heuristic picks the same deterministic algorithm on every rank of one GPU model; a ViT has this
+    one convolution, so little speed is given up."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
 
 
 def check_layout(channels_last: bool, world_size: int, tp: int) -> None:

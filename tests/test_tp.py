@@ -78,6 +78,20 @@ def test_channels_last_is_refused_where_dp_ranks_shard():
     check_layout(False, 4, 2)
 
 
+def test_tp_ranks_compute_the_replicated_gradients_with_the_same_kernels(monkeypatch):
+    """CPU twin of a CUDA line: cuDNN autotuning could pick another (or a non-deterministic) algorithm per rank
+    for the patch embedding, and the replicated weights would drift apart; pytorch_TP.py turns it off on CUDA,
+    and leaves a CPU run's flags as they were."""
+    from common.tensor_parallel import same_kernels_on_every_rank
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    same_kernels_on_every_rank(torch.device("cpu"))
+    assert (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) == (True, False)
+    same_kernels_on_every_rank(torch.device("cuda", 1))
+    assert (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) == (False, True)
+
+
 def test_the_default_degree_keeps_every_tp_group_on_one_node():
     """--tp 0 takes the largest degree dividing the heads and a node's processes (LOCAL_WORLD_SIZE): tp's
     per-block all-reduces never cross the network, whatever the world size."""
