@@ -11,13 +11,14 @@
 #          first the tests TIER_FIRST names (a -k expression: what changed), then the rest, the untimed tests
 #          four at a time, until the deadline.
 # Every step is skipped once its usual time no longer fits before DEADLINE_S (seconds from the start; default
-# 420 for part 1, which leaves a 15-minute lease with its start about 5 minutes for part 2: give part 2
+# 390 for part 1, which leaves a 15-minute lease with its start about 5 minutes for part 2: give part 2
 # DEADLINE_S = the lease's time left less a minute), so the call ends by itself with all it measured packed
 # under $OUT, where at most 8 files come back: env.txt, rows.csv, logs.tgz (each run's log, the peer's logs and
 # JSON, skipped.txt, steps.txt; part 1), whatif.txt, whatif.tgz (calibration.json, summary.csv, REPORT.md,
 # logs), gpu_tier.txt, steps.txt (part 2). Loose files are written under $WORK (/tmp/lease) and packed after each
 # step: a call cut short still returns what it finished. The working tree travels without .git: GIT_COMMIT
-# (git rev-parse --short HEAD, here) names the commit in env.txt and in every row (common/runner.py).
+# (git describe --always --abbrev=7 --dirty=+dirty, here) names the commit in env.txt and in every row
+# (common/runner.py).
 # Before the lease, here: bash .gpu/fetch_peer.sh (carry "shared/peer") and bash .gpu/fetch_wheels.sh (carry
 # ".whl": DeepSpeed for the tier; installed into /tmp/site when present).
 # Usage, from the repository root: GIT_COMMIT=<sha> bash .gpu/run.sh 1, then GIT_COMMIT=<sha> DEADLINE_S=<s>
@@ -25,9 +26,9 @@
 set -uo pipefail
 PART=${1:-}
 case "$PART" in 1|2) ;; *) echo "usage: bash .gpu/run.sh 1|2 (one call each)"; exit 2;; esac
-DEADLINE_S=${DEADLINE_S:-$([ "$PART" = 1 ] && echo 420 || echo 560)}
+DEADLINE_S=${DEADLINE_S:-$([ "$PART" = 1 ] && echo 390 || echo 560)}
 export PYTHONUNBUFFERED=1  # a run its timeout ends keeps the lines it printed
-export GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
+export GIT_COMMIT=${GIT_COMMIT:-$(git describe --always --abbrev=7 --dirty=+dirty 2>/dev/null)}
 export DEADLINE_AT=$(( $(date +%s) + DEADLINE_S ))
 OUT=${OUT:-/tmp/gpu_out}; WORK=${WORK:-/tmp/lease}
 [ "$PART" = 1 ] && rm -rf "$WORK"  # a warm machine's earlier call: its rows and logs are not this one's
@@ -64,7 +65,8 @@ pack() {  # what part 1 has so far, into $OUT (a lock file stays in $WORK); .gpu
 }
 export -f pack
 skip() { echo "$1 skipped: $(left) s left, needs ~$2" | tee -a "${3:-$WORK/logs/skipped.txt}"; }
-say() { echo "$*" | tee -a "$WORK/logs/steps.txt"; }  # each step's exit, in the files that come back
+STEPS=$([ "$PART" = 1 ] && echo "$WORK/logs/steps.txt" || echo "$OUT/steps.txt")  # packed / as it is
+say() { echo "$*" | tee -a "$STEPS"; }  # each step's exit, in the files that come back
 COMMON="--dataset synthetic --no-pretrained --model resnet50 --image-size 224 --epochs 1 --max-steps 60
         --timing-warmup-steps 20 --train-samples 40000 --test-samples 512 --warmup-steps 0 --log-every 20
         --results $ROWS --save-dir /tmp/ckpt"
@@ -92,7 +94,7 @@ if [ "$PART" = 1 ]; then
   # the defaults as a user meets them (fp16 + GradScaler, NCHW, 4 CPU workers), at 256 and at the articles' 32
   run amp_defaults_256 60 pytorch_auto_mixed_precision.py --batch-size 256 --workers 4
   run amp_defaults_32 45 pytorch_auto_mixed_precision.py --batch-size 32 --workers 4 --max-steps 200
-  PEER_LOGS=$WORK/logs/peer bash .gpu/peer.sh 2>&1 | tee -a "$WORK/logs/steps.txt"
+  PEER_LOGS=$WORK/logs/peer bash .gpu/peer.sh >> "$STEPS" 2>&1  # a file, not a pipe a stray child could hold
   layouts fp32  # fp32 on CUDA cores: the layout matters least there
   pack
 fi
@@ -100,11 +102,11 @@ if [ "$PART" = 2 ]; then
   # the what-if check, its calibration and rows kept for the campaign folder; -s streams the predict table
   # into whatif.txt as it comes, and SIGINT lets pytest print its summary when the deadline cuts it
   l=$(left)
-  if [ "$l" -ge 300 ]; then
+  if [ "$l" -ge 270 ]; then
     GPU_TIER_KEEP="$WORK/whatif" PYTHONUNBUFFERED=1 timeout -s INT -k 20 $(( l - 30 )) python -m pytest -q -s -rfE \
       -p no:cacheprovider -m gpu tests/gpu -k throughput_single_rows > "$OUT/whatif.txt" 2>&1
     say "what-if check exit $? at $(( DEADLINE_S - $(left) )) s"
-  else skip "what-if check" 300 "$OUT/whatif.txt"; fi
+  else skip "what-if check" 270 "$OUT/whatif.txt"; fi
   # the matrix and calibrate start each run in a session of its own: a timeout above does not reach them, so a
   # run it cut short is ended here, before the tier shares the card with it
   stop_ours
@@ -133,6 +135,5 @@ if [ "$PART" = 2 ]; then
     say "gpu tier, timed tests, exit $?"
   fi
   if [ -f "$WORK/logs/wheels.log" ]; then { echo "--- wheels"; cat "$WORK/logs/wheels.log"; } >> "$OUT/gpu_tier.txt"; fi
-  cp "$WORK/logs/steps.txt" "$OUT/steps.txt" 2>/dev/null
 fi
 exit 0  # what ran and what was skipped is in the files; a failed step is in its own log

@@ -25,7 +25,8 @@ from .launching import local_world_size
 
 
 def check_shared_dir(folder: str, environ=os.environ, flag: str = "--save-dir") -> None:
-    """Refuses, on every rank and before training, a --save-dir that not every rank sees as one folder.
+    """Refuses, on every rank and before training, a folder (--save-dir's, by default) that not every rank sees
+    as one folder.
     Rank 0 creates each epoch's folder and every rank writes into it (Checkpointer.save), and DeepSpeed's
     consolidation on rank 0 reads every rank's shards: on a node-local path (/tmp, /local/scratch) the
     second node's ranks would fail at the first epoch's end, after an epoch of training. Rank 0 writes a

@@ -174,7 +174,8 @@ def check_layout(channels_last: bool, world_size: int, tp: int) -> None:
     keeps them."""
     if channels_last and world_size // tp > 1:
         raise UsageError(f"--channels-last with {world_size // tp} data-parallel ranks (--tp {tp} of {world_size} "
-                         f"processes): {FSDP2_NO_CHANNELS_LAST}; run without it, or with --tp {world_size}")
+                         f"processes): {FSDP2_NO_CHANNELS_LAST}; run without it, or with no data-parallel "
+                         f"ranks (--tp {world_size}, where it divides the heads)")
 
 
 def plan() -> dict:

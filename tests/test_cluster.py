@@ -339,6 +339,16 @@ def test_every_fsdp2_rank_skips_a_step_one_shard_overflowed(two_ranks):
         assert got[rank]["fsdp2_scaler"] == {"skipped": 1, "scale": 128.0, "unchanged": True}, (rank, got)
 
 
+@pytest.mark.slow  # the same group
+def test_fsdp2_and_deepspeed_still_take_no_channels_last_weight(two_ranks):
+    """What the scripts' --channels-last refusal stands on (common/strategies.py): FSDP2's fully_shard and
+    DeepSpeed's initialize reject a channels-last model and wrap the same model in NCHW. A release that takes it
+    turns this red, and the refusal can go."""
+    _, got = two_ranks
+    for rank in (0, 1):
+        assert got[rank]["channels_last"] == {"fsdp2": (False, True), "deepspeed": (False, True)}, (rank, got)
+
+
 def test_fit_checks_the_save_dir_before_resuming_or_training(monkeypatch):
     from common import train
     from common.config import UsageError
@@ -448,18 +458,21 @@ def test_accelerates_own_compile_is_refused(monkeypatch, backend):
     """`accelerate launch --dynamo_backend inductor` sets ACCELERATE_DYNAMO_BACKEND, which accelerate's plugin
     reads (utils/dataclasses.py TorchDynamoPlugin.__post_init__): the model would be compiled in prepare(), untimed,
     under a row saying compile False (and TF32 turned on in fp32 on CUDA)."""
+    from accelerate import DistributedType
     from accelerate.utils import TorchDynamoPlugin
 
-    from common.accel import check_no_dynamo
+    from common.accel import check_world
     from common.config import UsageError
 
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", backend)
-    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(dynamo_plugin=TorchDynamoPlugin()))
-    if backend == "no":
-        check_no_dynamo(accelerator)
+    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(dynamo_plugin=TorchDynamoPlugin()),
+                                        mixed_precision="no", native_amp=False, num_processes=1,
+                                        distributed_type=DistributedType.NO, device=torch.device("cpu"))
+    if backend == "no":  # what every accelerate script checks once accelerate has set up
+        assert check_world(accelerator, TrainConfig()) == (0, 1)
         return
     with pytest.raises(UsageError, match=r"accelerate's dynamo backend \(inductor\) compiles the model inside "):
-        check_no_dynamo(accelerator)
+        check_world(accelerator, TrainConfig())
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler")  # the first step: skipped
@@ -507,13 +520,3 @@ def test_a_step_is_skipped_where_the_scale_backs_off_or_has_reached_zero(before,
     from common.accel import skipped_by_scale
 
     assert skipped_by_scale(torch.tensor(before), torch.tensor(after)).item() == skipped
-
-
-@pytest.mark.slow  # the same group
-def test_fsdp2_and_deepspeed_still_take_no_channels_last_weight(two_ranks):
-    """What the scripts' --channels-last refusal stands on (common/strategies.py): FSDP2's fully_shard and
-    DeepSpeed's initialize reject a channels-last model and wrap the same model in NCHW. A release that takes it
-    turns this red, and the refusal can go."""
-    _, got = two_ranks
-    for rank in (0, 1):
-        assert got[rank]["channels_last"] == {"fsdp2": (False, True), "deepspeed": (False, True)}, (rank, got)

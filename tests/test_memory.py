@@ -53,7 +53,7 @@ def test_model_state_of_a_process_on_two_gpus_is_its_busiest_gpus():
 
     walk = StorageWalk("cpu")
     flat = torch.zeros(10)
-    for t in (flat, flat[:5], torch.zeros(3)):  # "cuda:0": 40 + 12 bytes
+    for t in (flat, flat[:5], torch.zeros(3)):  # one device's: 40 + 12 bytes
         walk.add(t)
     assert walk.total == 52
     walk.sizes[("cuda:1", 1)] = 60  # the other half, on the other GPU

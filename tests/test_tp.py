@@ -2,12 +2,13 @@
 attention, one rank's model is what the memory model walks, and the script trains like one process, at
 tp 2 on 2 ranks and at tp 2 x FSDP dp 2 on 4, sending what Megatron's scheme sends."""
 import math
+import os
 from argparse import Namespace
 
 import pytest
 import torch
 import torchvision
-from helpers import check_ok
+from helpers import ROOT, check_ok
 
 from common.config import TrainConfig, UsageError
 from common.models import build_model
@@ -76,6 +77,23 @@ def test_channels_last_is_refused_where_dp_ranks_shard():
         check_layout(True, 4, 2)
     check_layout(True, 4, 4)
     check_layout(False, 4, 2)
+
+
+def test_pytorch_tp_refuses_channels_last_before_it_builds_its_mesh(monkeypatch):
+    """Through the script's main, with the group faked (4 processes, tp 2): refused before the device mesh and
+    the loaders, where fully_shard would have raised."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("tp_script", os.path.join(ROOT, "pytorch_TP.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "init_distributed", lambda cfg, **kw: SimpleNamespace(
+        rank=0, world_size=4, device=torch.device("cpu")))
+    monkeypatch.setattr(script, "init_device_mesh", lambda *a, **kw: pytest.fail("built the mesh"))
+    cfg = script.TPConfig(model="vit_b_16", image_size=32, pretrained=False, device="cpu", tp=2, channels_last=True)
+    with pytest.raises(UsageError, match=r"--channels-last with 2 data-parallel ranks \(--tp 2 of 4 processes\)"):
+        script.main(cfg)
 
 
 def test_tp_ranks_compute_the_replicated_gradients_with_the_same_kernels(monkeypatch):

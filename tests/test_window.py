@@ -308,13 +308,21 @@ def test_the_model_state_walk_runs_in_a_profiled_step_when_there_is_no_warm_up()
     assert rec.events == ["prelude"]  # armed with the profiler, before any timed step
 
 
-def test_exposed_communication_is_empty_where_nothing_profiles_it():
+def test_exposed_communication_is_empty_where_nothing_profiles_it(monkeypatch):
     """DataParallel and model parallelism drive several GPUs from one process: their copies between GPUs are
     on the step's path but never profiled as collectives, so step_comm_exposed_ms is empty there, not 0; a
     single device has nothing to expose (0); a distributed run reads its profiler, or nothing without one."""
+    from common import train
+    from common.measure.stepparts import StepParts
     from common.train import exposed_comm_source
 
     gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    for name in ("Probes", "Energy", "HostShare", "Flops", "ModelState", "StepTimes"):  # CUDA's own, faked
+        monkeypatch.setattr(train, name, lambda *a, **kw: Instrument())
+    hooks = train.TrainHooks(None, None, torch.device("cuda", 0), probe_devices=gpus, optimizer=None)
+    (parts,) = [i for i in train.build_instruments(TrainConfig(), nn.Linear(1, 1), hooks, train.Metrics())
+                if isinstance(i, StepParts)]
+    assert parts.comm.exposed_ms_per_step() is None  # model parallelism: no process group, two GPUs
     assert exposed_comm_source([], False, gpus).exposed_ms_per_step() is None
     assert exposed_comm_source([], False, [torch.device("cuda", 0)]) is None
     assert exposed_comm_source([], True, [torch.device("cuda", 0)]).exposed_ms_per_step() is None

@@ -78,12 +78,15 @@ class Probes(Instrument):
         self.alloc_peak = self.reserved_peak = 0
         self._sampling = threading.Event()
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the thread's check and sample against a pause
+        self._opened = 0  # windows opened so far: a sample waits a whole interval inside its window
         self._thread = None
         self.started = self.active = False
 
     # --- the window ---
     def start(self) -> None:
         self.started = self.active = True
+        self._opened += 1
         self._reset_peaks()
         if self.handles:
             self._thread = threading.Thread(target=self._run, name="gpu-probe", daemon=True)
@@ -93,14 +96,17 @@ class Probes(Instrument):
     def pause(self) -> None:
         if not self.active:
             return
-        self.active = False
-        self._sampling.clear()
-        if self._thread is not None:
-            self._sample()
+        with self._lock:
+            self.active = False
+            self._sampling.clear()
+            if self._thread is not None:
+                self._sample()
         self._keep_peaks()
 
     def resume(self) -> None:
-        self.active = True
+        with self._lock:
+            self.active = True
+            self._opened += 1
         self._reset_peaks()
         if self._thread is not None:
             self._sampling.set()
@@ -137,11 +143,13 @@ class Probes(Instrument):
     def _run(self) -> None:
         while not self._stop.is_set():
             self._sampling.wait()
+            opened = self._opened
             self._stop.wait(self.interval_s)  # a period inside the window first
-            if self._stop.is_set():
-                break
-            if self._sampling.is_set():
-                self._sample()
+            with self._lock:
+                if self._stop.is_set():
+                    break
+                if self._sampling.is_set() and self._opened == opened:  # no pause and resume in between
+                    self._sample()
 
     # --- the row ---
     def local(self) -> dict:
