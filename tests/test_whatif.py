@@ -187,24 +187,18 @@ def test_advise_carries_a_calibration_to_another_gpu(capsys):
 
 def test_advise_prices_fsdp_and_deepspeed_in_nchw_under_channels_last(capsys):
     """Their scripts refuse --channels-last (FSDP2 and DeepSpeed take no channels-last weight): advise prices them as
-    they can run, in NCHW, and says so; DDP keeps channels-last. At 256 images a GPU the layout shows (at 32 the
-    launch floor hides it)."""
+    they can run, in NCHW, and says so; DDP keeps channels-last, which halves a half-precision step's compute at
+    256 images a GPU (at 32 the launch floor hides the layout)."""
     import benchmark
 
-    args = ["advise", "--model", "resnet50", "--batch-size", "2048", "--gpus", "8", "--gpu", whatif.H100,
-            "--interconnect", "nvlink4", "--precision", "bf16"]
-
-    def compute_ms(out):
-        table = out[out.index("predicted time"):].splitlines()
-        return {ln.split()[0]: float(ln.split()[2]) for ln in table if ln.split()[0] in ("ddp", "fsdp_full-shard",
-                                                                                          "deepspeed_zero2")}
+    args = ["advise", "--model", "resnet18", "--batch-size", "2048", "--gpus", "8", "--gpu", whatif.H100,
+            "--interconnect", "nvlink4", "--precision", "bf16", "--channels-last"]
     assert benchmark.main(args) == 0
-    nchw = compute_ms(capsys.readouterr().out)
-    assert benchmark.main(args + ["--channels-last"]) == 0
     out = capsys.readouterr().out
-    cl = compute_ms(out)
-    assert cl["ddp"] < 0.7 * nchw["ddp"]
-    assert cl["fsdp_full-shard"] == nchw["fsdp_full-shard"] and cl["deepspeed_zero2"] == nchw["deepspeed_zero2"]
+    table = out[out.index("predicted time"):].splitlines()
+    compute = {ln.split()[0]: float(ln.split()[2]) for ln in table if ln.split()[0] in ("ddp", "fsdp_full-shard",
+                                                                                       "deepspeed_zero2")}
+    assert compute["fsdp_full-shard"] > 1.5 * compute["ddp"] and compute["deepspeed_zero2"] > 1.5 * compute["ddp"]
     said = next(ln for ln in out.splitlines() if ln.startswith("in NCHW, as their scripts run"))
     assert "fsdp_full-shard" in said and "deepspeed_zero3" in said and "ddp" not in said.split(": ")[-1].split(", ")
 
