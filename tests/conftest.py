@@ -105,9 +105,26 @@ def pytest_runtest_setup(item):
         launches.ACTIVE.allow(launches.limit_for(item))
 
 
+# The tests whose own processes leave a core idle for long (a cold torch.compile, Slurm jobs one after the other,
+# a calibration that times one process at a time, repeats): they run first, while every shared launch of the
+# session is still ahead of them to fill that core (tests/launches.py `beside`). At the end of the session, where
+# their modules fall alphabetically, few are, and half of the suite's idle core-seconds were in these tests
+# (the suite campaigns of docs/measured.md). A module with a fixture these tests share moves whole (the Slurm cluster).
+FIRST = ("tests/test_slurm.py::", "tests/test_scripts.py::test_training_learns_on_synthetic_data",
+         "tests/test_scripts.py::test_compile_time_kept_apart_and_same_training",
+         "tests/test_time.py::test_calibrate_then_a_run_predicts_itself",
+         "tests/test_stats.py::test_repeats_end_to_end_and_resume")
+
+
+def first(nodeid: str) -> bool:
+    return nodeid.startswith(FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
     """A launches marker names launches of CASES: a typo found when collected, not as a KeyError in whichever
-    test's setup happens to start the look-ahead (tests/launches.py)."""
+    test's setup happens to start the look-ahead (tests/launches.py). Then FIRST's tests to the front, each
+    group in its collected order."""
+    items.sort(key=lambda item: not first(item.nodeid))  # stable: the rest keep theirs
     for item in items:
         try:
             unknown = [n for n in launches.marked_needs(item) if n not in launches.CASES]

@@ -153,3 +153,27 @@ def test_a_failed_tests_clean_up_spares_a_worker_a_shared_launcher_forks_meanwhi
     with pytest.raises(StopIteration):
         next(gen)
     assert killed == [stray]
+
+
+def test_the_tests_moved_first_are_slow_tests_that_leave_room_beside_them():
+    """conftest.FIRST moves tests to the front of the session by their node ids: a renamed test would silently
+    stay where it was. Each entry names a test function that exists, marked slow and beside (a test that leaves
+    a core to a launch), or a whole module with such a test in it."""
+    import ast
+
+    # read from the file: `import conftest` may find tests/gpu/conftest.py, which pytest registered under that name
+    source = ast.parse(open(os.path.join(helpers.ROOT, "tests", "conftest.py")).read())
+    (first,) = [ast.literal_eval(n.value) for n in source.body if isinstance(n, ast.Assign)
+                and [ast.unparse(t) for t in n.targets] == ["FIRST"]]
+    for entry in first:
+        path, _, name = entry.partition("::")
+        tree = ast.parse(open(os.path.join(helpers.ROOT, path)).read())
+        module_slow = any(isinstance(n, ast.Assign) and ast.unparse(n) == "pytestmark = pytest.mark.slow"
+                          for n in tree.body)
+        tests = {f.name: {ast.unparse(d) for d in f.decorator_list} | ({"pytest.mark.slow"} if module_slow else set())
+                 for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")}
+        if name:
+            assert name in tests, f"{entry}: no such test"
+        moved = [tests[name]] if name else list(tests.values())
+        assert any({"pytest.mark.slow", "pytest.mark.beside"} <= marks for marks in moved), \
+            f"{entry}: not a slow test marked beside"
