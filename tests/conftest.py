@@ -116,15 +116,11 @@ FIRST = ("tests/test_slurm.py::", "tests/test_scripts.py::test_training_learns_o
          "tests/test_stats.py::test_repeats_end_to_end_and_resume")
 
 
-def first(nodeid: str) -> bool:
-    return nodeid.startswith(FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
     """A launches marker names launches of CASES: a typo found when collected, not as a KeyError in whichever
     test's setup happens to start the look-ahead (tests/launches.py). Then FIRST's tests to the front, each
     group in its collected order."""
-    items.sort(key=lambda item: not first(item.nodeid))  # stable: the rest keep theirs
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))  # stable: the rest keep theirs
     for item in items:
         try:
             unknown = [n for n in launches.marked_needs(item) if n not in launches.CASES]
